@@ -1,0 +1,207 @@
+"""The public RPC API: ``init_rpc``, ``rpc_sync``, ``rpc_async``, ``remote``, ``shutdown``."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .agent import (
+    Agent,
+    BackendType,
+    Future,
+    WorkerInfo,
+    coerce_options,
+    current_agent,
+    set_current_agent,
+    validate_worker_name,
+)
+from .agent._agent import _current_or_none
+from .errors import AlreadyInitializedError, InvalidArgumentError
+from .rref import remote as remote
+
+__all__ = [
+    "get_rpc_timeout",
+    "get_worker_info",
+    "get_worker_infos",
+    "init_rpc",
+    "is_initialized",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+]
+
+_init_lock = threading.Lock()
+_ACCEPTED_BACKENDS = {"ZMQ", "TENSORPIPE", "PROCESS_GROUP"}
+
+
+def _env_int(variable: str, what: str) -> int:
+    value = os.environ.get(variable)
+    if value is None:
+        raise InvalidArgumentError(
+            f"{what} was not given and the environment variable {variable} is not set "
+            "(torchrun and `actorrpc launch` set it)"
+        )
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{variable}={value!r} is not an integer") from exc
+
+
+def init_rpc(
+    name: str,
+    backend: Any = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: Any = None,
+) -> None:
+    """Join (with the others, form) the RPC group; returns when every worker is known.
+
+    Args:
+        name: this worker's unique name: letters, digits, ``_``, ``-``, ``:``,
+            shorter than 128 characters.
+        backend: ``None`` or a :class:`BackendType` (``TENSORPIPE`` and
+            ``PROCESS_GROUP`` are accepted aliases of the ZeroMQ backend).
+        rank: this worker's unique rank; ``-1`` reads ``RANK``.
+        world_size: the number of workers; ``None`` reads ``WORLD_SIZE``.
+        rpc_backend_options: :class:`ZmqRpcBackendOptions` or torch's
+            ``TensorPipeRpcBackendOptions`` (its init_method, rpc_timeout and
+            num_worker_threads are honoured).
+
+    Raises:
+        InvalidNameError: the name breaks the rule.
+        AlreadyInitializedError: RPC is already initialized in this process.
+        RendezvousError: duplicate names or ranks, a group that never fills or
+            an unreachable master, within ``init_timeout``.
+
+    Example::
+
+        >>> # worker0                                   # worker1
+        >>> rpc.init_rpc("worker0", rank=0, world_size=2)  # rpc.init_rpc("worker1", rank=1, world_size=2)
+        >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+        tensor([2., 2.])
+        >>> rpc.shutdown()                               # rpc.shutdown()
+    """
+    validate_worker_name(name)
+    if backend is not None and getattr(backend, "name", backend) not in _ACCEPTED_BACKENDS:
+        raise TypeError(f"backend must be an actorrpc.BackendType, got {backend!r}")
+    options = coerce_options(rpc_backend_options)
+    if rank is None or rank < 0:
+        rank = _env_int("RANK", "rank")
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE", "world_size")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"rank {rank} is not in range for world_size {world_size}")
+    with _init_lock:
+        if _current_or_none() is not None:
+            raise AlreadyInitializedError("RPC is already initialized in this process")
+        agent = Agent(name, rank, world_size, options)
+        agent.start()
+        set_current_agent(agent)
+
+
+def is_initialized() -> bool:
+    """Whether this process is in an RPC group."""
+    return _current_or_none() is not None
+
+
+def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
+    """Leave the group and free sockets and threads.
+
+    With ``graceful=True`` it first waits until every worker has called
+    ``shutdown`` and all outstanding work, incoming and outgoing, is done; a peer
+    that never arrives makes it raise :class:`ShutdownError` naming that peer
+    after ``timeout`` seconds (default: the options' ``shutdown_timeout``),
+    never block forever. ``graceful=False`` closes this worker at once.
+
+    Example::
+
+        >>> # on every worker, after the work
+        >>> rpc.shutdown()
+    """
+    with _init_lock:
+        agent = current_agent()
+        try:
+            agent.shutdown(graceful, timeout)
+        finally:
+            set_current_agent(None)
+
+
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """The :class:`WorkerInfo` of ``worker_name``, or of this worker when ``None``.
+
+    Raises :class:`UnknownWorkerError` (a ``ValueError``) listing the known names.
+
+    Example::
+
+        >>> rpc.get_worker_info("worker1")
+        WorkerInfo(id=1, name=worker1)
+    """
+    agent = current_agent()
+    if worker_name is None:
+        return agent.info
+    return agent.resolve(worker_name)
+
+
+def get_worker_infos() -> list[WorkerInfo]:
+    """Every worker of the group, ordered by id."""
+    return current_agent().worker_infos()
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of calls, in seconds."""
+    return current_agent().options.rpc_timeout
+
+
+def rpc_async(
+    to: Any,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = -1.0,
+) -> Future[Any]:
+    """Run ``func(*args, **kwargs)`` on ``to`` and return a Future of its result.
+
+    The Future is a ``torch.futures.Future`` (``wait``, ``then``, ``done``,
+    ``value``, ``torch.futures.wait_all``) and is also awaitable in asyncio.
+    Unpicklable arguments raise :class:`SerializationError` here, before
+    anything is sent.
+
+    Args:
+        to: destination name, rank or :class:`WorkerInfo` (this worker works too).
+        timeout: seconds; ``-1`` uses the default, ``0`` waits forever.
+
+    Example::
+
+        >>> # on worker0
+        >>> fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 3))
+        >>> fut.wait()
+        tensor([4., 4.])
+    """
+    agent = current_agent()
+    return agent.call(agent.resolve(to), func, tuple(args or ()), dict(kwargs or {}), timeout)
+
+
+def rpc_sync(
+    to: Any,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = -1.0,
+) -> Any:
+    """Run ``func(*args, **kwargs)`` on ``to`` and wait for the result.
+
+    A remote exception is re-raised here as the same type with the remote
+    worker and traceback in its message. A timeout raises
+    :class:`RpcTimeoutError` ("RPC ran for more than set timeout ...").
+
+    Example::
+
+        >>> # on worker0
+        >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))
+        tensor([4., 4.])
+    """
+    return rpc_async(to, func, args, kwargs, timeout).wait()
+

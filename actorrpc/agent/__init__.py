@@ -1,0 +1,43 @@
+"""Agent layer: the worker actor, its rendezvous, futures, options and identities."""
+
+from ._agent import (
+    Agent,
+    CallHook,
+    IncomingRequest,
+    current_agent,
+    register_agent_plugin,
+    run_user_function,
+    set_current_agent,
+)
+from ._futures import Future, chain_into, complete
+from ._options import (
+    DEFAULT_INIT_METHOD,
+    DEFAULT_NUM_WORKER_THREADS,
+    DEFAULT_RPC_TIMEOUT,
+    BackendType,
+    ZmqRpcBackendOptions,
+    coerce_options,
+)
+from ._worker_info import MAX_NAME_LENGTH, WorkerInfo, validate_worker_name
+
+__all__ = [
+    "DEFAULT_INIT_METHOD",
+    "DEFAULT_NUM_WORKER_THREADS",
+    "DEFAULT_RPC_TIMEOUT",
+    "MAX_NAME_LENGTH",
+    "Agent",
+    "BackendType",
+    "CallHook",
+    "Future",
+    "IncomingRequest",
+    "WorkerInfo",
+    "ZmqRpcBackendOptions",
+    "chain_into",
+    "coerce_options",
+    "complete",
+    "current_agent",
+    "register_agent_plugin",
+    "run_user_function",
+    "set_current_agent",
+    "validate_worker_name",
+]

@@ -1,0 +1,619 @@
+"""The worker actor: one I/O thread, a dispatcher of typed messages, a worker pool.
+
+Threads and hand-offs (see ``docs/performance.md``):
+
+* A caller thread pickles its request and sends it itself on the peer's DEALER
+  link (no hand-off to the I/O thread).
+* The callee's I/O thread receives, decodes the header and hands the message to
+  a pool thread, or runs it inline when its handler was registered ``inline``
+  (control messages that never block).
+* The pool thread runs the function and sends the reply itself on its DEALER
+  link to the caller's inbox.
+* The caller's I/O thread completes the future, waking the waiting thread.
+
+Invariants:
+
+* A pending call is registered before its request is sent, and removed exactly
+  once: by its response, its deadline, the peer's loss, or shutdown.
+* Every request kind is answered exactly once, with RESPONSE or EXCEPTION.
+* An exception in a handler or while unpickling never escapes into the I/O
+  loop; it becomes an EXCEPTION reply or a rate-limited warning.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import (
+    ActorRpcError,
+    DeserializationError,
+    NotInitializedError,
+    PeerUnreachableError,
+    ProtocolError,
+    RpcTimeoutError,
+    ShutdownError,
+    UnknownWorkerError,
+)
+from ..protocol import RESPONSE_KINDS, MessageKind, decode_header, encode_header
+from ..serialization import dumps, loads, pickling_for, unpickling_from
+from ..transport import Transport
+from ._futures import Future, complete
+from ._options import ZmqRpcBackendOptions
+from ._pool import WorkerPool
+from ._remote_exception import pack_exception, rebuild_exception
+from ._rendezvous import GroupMember, Rendezvous
+from ._worker_info import WorkerInfo
+
+__all__ = [
+    "Agent",
+    "CallHook",
+    "IncomingRequest",
+    "current_agent",
+    "register_agent_plugin",
+    "set_current_agent",
+]
+
+_log = logging.getLogger("actorrpc.agent")
+_MAX_POLL = 0.05
+_WARN_INTERVAL = 5.0
+
+
+@dataclass
+class IncomingRequest:
+    """A decoded request handed to a registered handler."""
+
+    kind: MessageKind
+    sender: WorkerInfo
+    message_id: int
+    payload: Any
+
+
+Handler = Callable[[IncomingRequest], Any]
+
+
+class CallHook(Protocol):
+    """Plug-in point for layers that travel with calls (e.g. autograd contexts)."""
+
+    def outgoing_meta(self, dest: WorkerInfo, meta: dict[str, Any]) -> None: ...
+
+    def incoming_scope(
+        self, sender: WorkerInfo, meta: dict[str, Any]
+    ) -> AbstractContextManager[Any]: ...
+
+
+@dataclass
+class _Handler:
+    handler: Handler
+    inline: bool
+
+
+@dataclass
+class _PendingCall:
+    future: Future[Any]
+    dest: WorkerInfo
+    description: str
+    timeout: float
+    on_result: Callable[[Any], Any] | None = None
+    created: float = field(default_factory=time.monotonic)
+
+
+_plugins: list[Callable[[Agent], None]] = []
+_current: Agent | None = None
+
+
+def current_agent() -> Agent:
+    """The agent of this process; :class:`NotInitializedError` before init or after shutdown."""
+    agent = _current
+    if agent is None:
+        raise NotInitializedError(
+            "RPC has not been initialized. Call actorrpc.init_rpc(...) first "
+            "(after shutdown() it must be called again)"
+        )
+    return agent
+
+
+def _current_or_none() -> Agent | None:
+    return _current
+
+
+def set_current_agent(agent: Agent | None) -> None:
+    global _current
+    _current = agent
+
+
+def register_agent_plugin(install: Callable[[Agent], None]) -> None:
+    """Run ``install(agent)`` for every agent created from now on (handlers, hooks)."""
+    if install not in _plugins:
+        _plugins.append(install)
+
+
+class Agent:
+    """One worker of the group: its sockets, threads and call bookkeeping."""
+
+    def __init__(self, name: str, rank: int, world_size: int, options: ZmqRpcBackendOptions):
+        self.name = name
+        self.rank = rank
+        self.world_size = world_size
+        self.options = options
+        self.info = WorkerInfo(name, rank)
+        self.identity = f"{rank}:{secrets.token_hex(4)}".encode()
+        self.io_thread_ident: int | None = None
+        self._handlers: dict[MessageKind, _Handler] = {}
+        self._hooks: list[CallHook] = []
+        self._shutdown_hooks: list[Callable[[float], None]] = []
+        self._close_hooks: list[Callable[[bool], None]] = []
+        self._pending: dict[int, _PendingCall] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._deadline_lock = threading.Lock()
+        self._message_ids = itertools.count(1)
+        self._inflight = 0
+        self._inflight_lock = threading.Lock()
+        self._members: dict[int, GroupMember] = {}
+        self._by_name: dict[str, WorkerInfo] = {}
+        self._infos: dict[int, WorkerInfo] = {}
+        self._running = False
+        self._io_thread: threading.Thread | None = None
+        self._last_warning = 0.0
+        self._suppressed_warnings = 0
+        self.extensions: dict[str, Any] = {}
+        self._soon: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]]] = (
+            queue.SimpleQueue()
+        )
+        self.stats = {"calls_sent": 0, "requests_served": 0, "bytes_out": 0, "bytes_in": 0}
+        self._pool = WorkerPool(options.num_worker_threads, f"actorrpc-{name}")
+        self.register_handler(MessageKind.CALL, self._handle_call)
+        self.register_handler(MessageKind.PING, lambda request: None, inline=True)
+        for install in _plugins:
+            install(self)
+        self._rendezvous = Rendezvous(options.init_method, rank, world_size, options.init_timeout)
+        try:
+            secret = None
+            if options.security != "none":
+                secret = self._rendezvous.group_secret(options.resolved_secret())
+            self._transport = Transport(
+                self.identity,
+                bind_host=options.bind_host or "127.0.0.1",
+                secret=secret,
+                security=options.security,
+                send_timeout=options.rpc_timeout or 0,
+            )
+        except BaseException:
+            self._rendezvous.close()
+            raise
+
+    # -- registration -------------------------------------------------------------------
+
+    def register_handler(self, kind: MessageKind, handler: Handler, inline: bool = False) -> None:
+        """Route requests of ``kind`` to ``handler``; ``inline`` handlers must never block."""
+        self._handlers[kind] = _Handler(handler, inline)
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the I/O thread soon; safe from ``__del__`` and any thread."""
+        self._soon.put((fn, args))
+
+    def add_call_hook(self, hook: CallHook) -> None:
+        self._hooks.append(hook)
+
+    def add_shutdown_hook(self, hook: Callable[[float], None]) -> None:
+        """``hook(deadline)`` runs at the start of a graceful shutdown, before the barrier."""
+        self._shutdown_hooks.append(hook)
+
+    def add_close_hook(self, hook: Callable[[bool], None]) -> None:
+        """``hook(graceful)`` runs after the sockets closed (leak reports, state reset)."""
+        self._close_hooks.append(hook)
+
+    # -- membership -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._running = True
+        self._io_thread = threading.Thread(
+            target=self._io_loop, name=f"actorrpc-io-{self.name}", daemon=True
+        )
+        self._io_thread.start()
+        try:
+            members = self._rendezvous.join(self.name, self._transport.endpoint, self.identity)
+        except BaseException:
+            self._stop_threads()
+            self._transport.close()
+            self._rendezvous.close()
+            raise
+        for member in members:
+            self._members[member.rank] = member
+            info = WorkerInfo(member.name, member.rank)
+            self._infos[member.rank] = info
+            self._by_name[member.name] = info
+
+    def is_alive(self) -> bool:
+        return self._running
+
+    def worker_infos(self) -> list[WorkerInfo]:
+        return [self._infos[r] for r in sorted(self._infos)]
+
+    def resolve(self, to: Any) -> WorkerInfo:
+        """Map a name, rank or :class:`WorkerInfo` to a member of the group."""
+        if isinstance(to, WorkerInfo):
+            if self._infos.get(to.id) == to:
+                return to
+        elif isinstance(to, str):
+            info = self._by_name.get(to)
+            if info is not None:
+                return info
+        elif isinstance(to, int) and not isinstance(to, bool):
+            info = self._infos.get(to)
+            if info is not None:
+                return info
+        else:
+            raise UnknownWorkerError(
+                f"destination must be a worker name, rank or WorkerInfo, got {type(to).__name__}"
+            )
+        known = ", ".join(sorted(self._by_name))
+        raise UnknownWorkerError(f"could not find destination {to!r}; known workers: {known}")
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def effective_timeout(self, timeout: float) -> float:
+        return self.options.rpc_timeout if timeout is None or timeout < 0 else timeout
+
+    def send_request(
+        self,
+        dest: WorkerInfo,
+        kind: MessageKind,
+        payload: Any,
+        timeout: float = -1.0,
+        description: str = "",
+        on_result: Callable[[Any], Any] | None = None,
+    ) -> Future[Any]:
+        """Send a request and return the future of its reply.
+
+        Pickling errors are raised here, before anything is sent.
+        """
+        if not self._running:
+            raise ActorRpcError(f"the RPC agent of {self.name!r} is shut down")
+        timeout = self.effective_timeout(timeout)
+        message_id = next(self._message_ids)
+        with pickling_for(dest.id):
+            body, buffers = dumps(payload, "arguments")
+        future: Future[Any] = Future(f"{description or kind.name} on {dest.name}", self)
+        self._pending[message_id] = _PendingCall(future, dest, description, timeout, on_result)
+        if timeout > 0:
+            with self._deadline_lock:
+                heapq.heappush(self._deadlines, (time.monotonic() + timeout, message_id))
+        try:
+            self._send(dest.id, kind, message_id, body, buffers)
+        except BaseException:
+            self._pending.pop(message_id, None)
+            raise
+        self.stats["calls_sent"] += 1
+        return future
+
+    def call(
+        self,
+        dest: WorkerInfo,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float = -1.0,
+        kind: MessageKind = MessageKind.CALL,
+        extra: tuple[Any, ...] = (),
+    ) -> Future[Any]:
+        """Run ``func(*args, **kwargs)`` on ``dest``; ``extra`` fields follow the meta dict."""
+        meta: dict[str, Any] = {}
+        for hook in self._hooks:
+            hook.outgoing_meta(dest, meta)
+        name = getattr(func, "__qualname__", None) or repr(func)
+        return self.send_request(
+            dest, kind, (func, args, kwargs, meta, *extra), timeout, description=name
+        )
+
+    def _send(
+        self, dest_rank: int, kind: MessageKind, message_id: int, body: bytes, buffers: list[Any]
+    ) -> None:
+        member = self._members.get(dest_rank)
+        if member is None:
+            raise PeerUnreachableError(f"worker {dest_rank} is not in the group")
+        header = encode_header(kind, len(buffers), self.rank, message_id)
+        self._transport.link(member.identity, member.endpoint).send([header, body, *buffers])
+        self.stats["bytes_out"] += len(body) + sum(b.nbytes for b in buffers)
+
+    # -- replying -----------------------------------------------------------------------------
+
+    def _reply(self, sender: int, message_id: int, value: Any) -> None:
+        try:
+            with pickling_for(sender):
+                body, buffers = dumps(value, "result")
+            self._send(sender, MessageKind.RESPONSE, message_id, body, buffers)
+        except PeerUnreachableError:
+            _log.warning("%s: cannot reply to worker %s: it is unreachable", self.name, sender)
+        except BaseException as exc:  # noqa: BLE001 - the error goes to the caller instead
+            self._reply_exception(sender, message_id, exc)
+
+    def _reply_exception(self, sender: int, message_id: int, exc: BaseException) -> None:
+        info = pack_exception(exc, repr(self.info))
+        try:
+            body, buffers = dumps(info, "exception")
+            self._send(sender, MessageKind.EXCEPTION, message_id, body, buffers)
+        except BaseException:  # noqa: BLE001 - last resort: nothing else can be done
+            _log.exception("%s: cannot send an error reply to worker %s", self.name, sender)
+
+    def _finish_request(self, sender: int, message_id: int, outcome: Any) -> None:
+        try:
+            if isinstance(outcome, torch._C.Future):
+                outcome.add_done_callback(
+                    lambda fut: self._finish_request(sender, message_id, _unwrap(fut))
+                )
+                return
+            if isinstance(outcome, _Failure):
+                self._reply_exception(sender, message_id, outcome.error)
+            else:
+                self._reply(sender, message_id, outcome)
+        except BaseException as exc:  # noqa: BLE001
+            self._reply_exception(sender, message_id, exc)
+        with self._inflight_lock:
+            self._inflight -= 1
+
+    # -- serving ------------------------------------------------------------------------------
+
+    def _serve(self, kind: MessageKind, sender: WorkerInfo, message_id: int, frames: list[Any],
+               entry: _Handler) -> None:
+        try:
+            with unpickling_from(sender.id) as source:
+                payload = loads(frames[0].buffer, [f.buffer for f in frames[1:]])
+            for waiter in source.pending:
+                waiter.wait()
+            outcome = entry.handler(IncomingRequest(kind, sender, message_id, payload))
+        except BaseException as exc:  # noqa: BLE001 - every failure is answered
+            outcome = _Failure(exc)
+        self._finish_request(sender.id, message_id, outcome)
+
+    def _handle_call(self, request: IncomingRequest) -> Any:
+        func, args, kwargs, meta = request.payload[:4]
+        with self.incoming_scope(request.sender, meta):
+            return run_user_function(func, args, kwargs)
+
+    def incoming_scope(
+        self, sender: WorkerInfo, meta: dict[str, Any]
+    ) -> AbstractContextManager[Any]:
+        """Enter every hook's scope for a call arriving from ``sender`` with ``meta``."""
+        if not self._hooks:
+            return nullcontext()
+        stack = ExitStack()
+        for hook in self._hooks:
+            stack.enter_context(hook.incoming_scope(sender, meta))
+        return stack
+
+    # -- the I/O loop -------------------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        self.io_thread_ident = threading.get_ident()
+        receive = self._transport.receive
+        while self._running:
+            try:
+                for message in receive(self._poll_timeout()):
+                    self._on_message(message)
+                while not self._soon.empty():
+                    fn, args = self._soon.get_nowait()
+                    fn(*args)
+                self._expire_deadlines()
+            except BaseException:  # noqa: BLE001 - the loop must survive anything
+                _log.exception("%s: error in the I/O loop", self.name)
+
+    def _poll_timeout(self) -> float:
+        if not self._deadlines:
+            return _MAX_POLL
+        return max(0.0, min(_MAX_POLL, self._deadlines[0][0] - time.monotonic()))
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            with self._deadline_lock:
+                _, message_id = heapq.heappop(self._deadlines)
+            pending = self._pending.pop(message_id, None)
+            if pending is not None:
+                complete(pending.future, error=RpcTimeoutError(
+                    f"RPC ran for more than set timeout ({int(pending.timeout * 1000)} ms) and "
+                    f"will now be marked with an error: {pending.description or 'call'} on "
+                    f"{pending.dest!r}"
+                ))
+
+    def _warn(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warning < _WARN_INTERVAL:
+            self._suppressed_warnings += 1
+            return
+        extra = f" ({self._suppressed_warnings} similar suppressed)" if self._suppressed_warnings else ""
+        self._last_warning = now
+        self._suppressed_warnings = 0
+        _log.warning("%s: %s%s", self.name, what, extra)
+
+    def _on_message(self, message: list[Any]) -> None:
+        if len(message) < 3:
+            self._warn(f"dropped a message of {len(message)} frames (need at least 3)")
+            return
+        identity = message[0].bytes
+        try:
+            header = decode_header(message[1].buffer)
+        except ProtocolError as exc:
+            self._warn(f"dropped a malformed message: {exc}")
+            return
+        member = self._members.get(header.sender)
+        if member is None or member.identity != identity:
+            self._warn(f"dropped a message claiming to be from rank {header.sender}: unknown sender")
+            return
+        self.stats["bytes_in"] += sum(len(f) for f in message[2:])
+        frames = message[2:]
+        is_response = header.kind in RESPONSE_KINDS
+        if len(frames) != 1 + header.nbuffers:
+            error = ProtocolError(
+                f"message declares {header.nbuffers} buffers but carries {len(frames) - 1}"
+            )
+            if is_response:
+                self._fail_pending(header.message_id, error)
+            else:
+                self._reply_exception(header.sender, header.message_id, error)
+            return
+        if is_response:
+            self._on_response(header.kind, header.sender, header.message_id, frames)
+            return
+        sender = self._infos[header.sender]
+        entry = self._handlers.get(header.kind)
+        if entry is None:
+            self._reply_exception(header.sender, header.message_id, ProtocolError(
+                f"worker {self.name!r} has no handler for message kind {header.kind.name}"
+            ))
+            return
+        with self._inflight_lock:
+            self._inflight += 1
+        self.stats["requests_served"] += 1
+        if entry.inline:
+            self._serve(header.kind, sender, header.message_id, frames, entry)
+        else:
+            self._pool.submit(self._serve, header.kind, sender, header.message_id, frames, entry)
+
+    def _fail_pending(self, message_id: int, error: BaseException) -> None:
+        pending = self._pending.pop(message_id, None)
+        if pending is not None:
+            complete(pending.future, error=error)
+
+    def _on_response(self, kind: MessageKind, sender: int, message_id: int, frames: list[Any]) -> None:
+        pending = self._pending.pop(message_id, None)
+        if pending is None:
+            return  # a late reply to a call that already timed out
+        try:
+            with unpickling_from(sender):
+                value = loads(frames[0].buffer, [f.buffer for f in frames[1:]])
+        except DeserializationError as exc:
+            complete(pending.future, error=DeserializationError(
+                f"the reply to {pending.description or 'a call'} from {pending.dest!r}: {exc}"
+            ))
+            return
+        if kind == MessageKind.EXCEPTION:
+            complete(pending.future, error=rebuild_exception(value))
+            return
+        try:
+            if pending.on_result is not None:
+                value = pending.on_result(value)
+        except BaseException as exc:  # noqa: BLE001
+            complete(pending.future, error=exc)
+            return
+        complete(pending.future, value)
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def idle(self) -> bool:
+        return not self._pending and self._inflight == 0
+
+    def wait_idle(self, deadline: float) -> bool:
+        interval = 0.001
+        while not self.idle():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(interval)
+            interval = min(interval * 2, 0.02)
+        return True
+
+    def pending_destinations(self) -> Iterator[str]:
+        for pending in list(self._pending.values()):
+            yield f"{pending.description or 'call'} on {pending.dest!r}"
+
+    def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
+        """Leave the group; graceful waits for all work everywhere (see module docs)."""
+        budget = self.options.shutdown_timeout if timeout is None or timeout < 0 else timeout
+        deadline = time.monotonic() + (budget if budget > 0 else 10**9)
+        problems: list[str] = []
+        if graceful:
+            try:
+                self._graceful_barriers(deadline, budget, problems)
+            except Exception as exc:  # noqa: BLE001 - report, then still close
+                problems.append(f"{type(exc).__name__}: {exc}")
+        self._close(graceful)
+        if problems:
+            raise ShutdownError(f"shutdown of {self.name!r} was not clean: " + "; ".join(problems))
+
+    def _graceful_barriers(self, deadline: float, budget: float, problems: list[str]) -> None:
+        """arrived -> shutdown hooks -> idle -> done; only rank 0 (the store host) waits at done."""
+        for tag in ("arrived", "idle", "done"):
+            if tag == "idle":
+                for hook in self._shutdown_hooks:
+                    try:
+                        hook(deadline)
+                    except Exception as exc:  # noqa: BLE001 - report every problem
+                        problems.append(str(exc))
+            if tag != "arrived" and not self.wait_idle(deadline):
+                problems.append("calls still pending: " + ", ".join(self.pending_destinations()))
+            barrier = self._rendezvous.barrier(f"shutdown/{tag}")
+            barrier.arrive()
+            if tag == "done" and self.rank != 0:
+                return
+            missing = barrier.wait(deadline)
+            if missing:
+                names = [self._infos[r].name for r in missing if r in self._infos]
+                problems.append(
+                    f"workers {names} (ranks {missing}) did not reach shutdown ({tag}) "
+                    f"within {budget:.1f}s"
+                )
+                return
+
+    def _stop_threads(self) -> None:
+        self._running = False
+        self._transport.wake()
+        if self._io_thread is not None and self._io_thread is not threading.current_thread():
+            self._io_thread.join(5.0)
+        self._pool.close()
+
+    def _close(self, graceful: bool) -> None:
+        self._stop_threads()
+        error = ActorRpcError(f"RPC agent {self.name!r} shut down before the call completed")
+        for message_id in list(self._pending):
+            self._fail_pending(message_id, error)
+        self._transport.close()
+        self._rendezvous.close()
+        for hook in self._close_hooks:
+            hook(graceful)
+
+
+class _Failure:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _unwrap(future: torch.futures.Future) -> Any:
+    try:
+        return future.wait()
+    except BaseException as exc:  # noqa: BLE001
+        return _Failure(exc)
+
+
+def run_user_function(func: Any, args: Any, kwargs: Any) -> Any:
+    """Call a user function; an ``async_execution`` one must return a Future."""
+    if not callable(func):
+        raise TypeError(f"{func!r} is not callable")
+    result = func(*(args or ()), **(kwargs or {}))
+    if getattr(func, "_wrapped_async_rpc_function", None) is not None or getattr(
+        func, "_actorrpc_async_execution", False
+    ):
+        if not isinstance(result, torch._C.Future):
+            raise TypeError(
+                f"async_execution function {getattr(func, '__qualname__', func)!r} must return "
+                f"a torch.futures.Future, got {type(result).__name__}"
+            )
+        return result
+    if isinstance(result, torch._C.Future):
+        raise TypeError(
+            f"{getattr(func, '__qualname__', func)!r} returned a Future; decorate it with "
+            "@rpc.functions.async_execution to reply with the Future's value"
+        )
+    return result

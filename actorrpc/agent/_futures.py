@@ -1,0 +1,94 @@
+"""Futures returned by the RPC API: ``torch.futures.Future`` that never hang.
+
+A :class:`Future` is completed by the agent with :func:`complete`. ``wait()``
+is interruptible (Ctrl-C in a notebook interrupts the wait, not the agent),
+refuses to run on the agent's I/O thread (where it could only deadlock), and
+fails instead of blocking forever when the agent that should complete it dies.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from ..errors import ActorRpcError
+
+__all__ = ["Future", "complete"]
+
+T = TypeVar("T")
+
+_LIVENESS_CHECK_INTERVAL = 1.0
+
+
+class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
+    """A ``torch.futures.Future`` for an RPC; ``wait``/``then``/``done``/``value`` as in torch.
+
+    Also awaitable: ``await rpc.rpc_async(...)`` works in asyncio code.
+    """
+
+    def __init__(self, description: str = "", agent: Any = None) -> None:
+        super().__init__()
+        self._event = threading.Event()
+        self._description = description
+        self._agent = agent
+
+    def wait(self) -> T:
+        if not self._event.is_set():
+            agent = self._agent
+            if agent is not None and threading.get_ident() == agent.io_thread_ident:
+                raise ActorRpcError(
+                    f"waiting on {self._description or 'a future'} from the RPC I/O thread would "
+                    "deadlock; use Future.then() instead of blocking inside a callback"
+                )
+            while not self._event.wait(_LIVENESS_CHECK_INTERVAL):
+                if agent is not None and not agent.is_alive():
+                    raise ActorRpcError(
+                        f"the RPC agent stopped before {self._description or 'the future'} completed"
+                    )
+        return super().wait()  # type: ignore[no-any-return]
+
+    def __await__(self) -> Generator[Any, None, T]:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: Any) -> None:
+            loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+
+        self.add_done_callback(wake)
+        yield from waiter.__await__()
+        return self.wait()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<actorrpc.Future {self._description or ''} {state}>"
+
+
+def complete(future: Future[Any], value: Any = None, error: BaseException | None = None) -> None:
+    """Complete ``future`` once; later completions (e.g. a late reply after a timeout) are ignored."""
+    if future._event.is_set():
+        return
+    future._event.set()
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    except RuntimeError:
+        pass  # already completed by a racing path
+
+
+def chain_into(source: torch.futures.Future, target: Future[Any], transform: Callable[[Any], Any]) -> None:
+    """Complete ``target`` with ``transform(source.wait())`` once ``source`` is done."""
+
+    def done(fut: torch.futures.Future) -> None:
+        try:
+            complete(target, transform(fut.wait()))
+        except BaseException as exc:  # noqa: BLE001 - every error reaches the caller
+            complete(target, error=exc)
+
+    source.add_done_callback(done)

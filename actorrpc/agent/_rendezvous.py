@@ -1,0 +1,175 @@
+"""Rendezvous on torch's c10d store (the TCPStore torchrun itself uses).
+
+Each ``init_rpc`` gets its own key space ``actorrpc/<generation>/`` so that a
+group can be formed again after ``shutdown`` on the same store. Every worker:
+
+1. claims its rank (a second claimant makes every worker fail),
+2. learns the group secret (its own, or the one rank 0 published),
+3. publishes ``(name, endpoint, identity)`` under ``worker/<rank>``,
+4. waits until all ranks are published (or an error key appears, or the
+   deadline passes), then checks that names are unique.
+
+Shutdown barriers use the same key space (:class:`StoreBarrier`).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import RendezvousError
+
+__all__ = ["GroupMember", "Rendezvous", "StoreBarrier"]
+
+_POLL_INTERVAL = 0.002
+_MAX_POLL_INTERVAL = 0.05
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    name: str
+    rank: int
+    endpoint: str
+    identity: bytes
+
+
+def _poll_until(condition: Callable[[], bool], deadline: float) -> bool:
+    """Poll ``condition`` with a growing interval until it holds or ``deadline`` passes."""
+    interval = _POLL_INTERVAL
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+        interval = min(interval * 2, _MAX_POLL_INTERVAL)
+    return True
+
+
+def _describe_init_method(init_method: str) -> str:
+    if init_method.startswith("env://"):
+        addr = os.environ.get("MASTER_ADDR", "<MASTER_ADDR unset>")
+        port = os.environ.get("MASTER_PORT", "<MASTER_PORT unset>")
+        return f"{init_method} ({addr}:{port})"
+    return init_method
+
+
+class Rendezvous:
+    """The store connection of one ``init_rpc``; lives until ``shutdown`` finishes."""
+
+    def __init__(self, init_method: str, rank: int, world_size: int, timeout: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.init_method = init_method
+        where = _describe_init_method(init_method)
+        if init_method.startswith("env://"):
+            missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+            if missing:
+                raise RendezvousError(
+                    f"init_method env:// needs the environment variables {', '.join(missing)}"
+                )
+        try:
+            store, _, _ = next(
+                dist.rendezvous(
+                    init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+                )
+            )
+        except StopIteration as exc:
+            raise RendezvousError(f"no rendezvous store from {where}") from exc
+        except Exception as exc:
+            raise RendezvousError(
+                f"rank {rank} could not reach the rendezvous store at {where} within "
+                f"{timeout:.0f}s: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._root = store
+        generation = (int(store.add("actorrpc/inits", 1)) - 1) // world_size
+        self.store: Any = dist.PrefixStore(f"actorrpc/{generation}/", store)
+
+    def _fail(self, message: str) -> RendezvousError:
+        self.store.set("error", message)
+        return RendezvousError(message)
+
+    def _raise_if_failed(self) -> None:
+        if self.store.check(["error"]):
+            raise RendezvousError(self.store.get("error").decode())
+
+    def group_secret(self, own_secret: str | None) -> str:
+        if own_secret:
+            return own_secret
+        if self.rank == 0:
+            self.store.set("secret", secrets.token_hex(32))
+        return bytes(self.store.get("secret")).decode()
+
+    def join(self, name: str, endpoint: str, identity: bytes) -> list[GroupMember]:
+        """Publish this worker and return every member, ordered by rank."""
+        if int(self.store.add(f"claim/{self.rank}", 1)) > 1:
+            raise self._fail(
+                f"rank {self.rank} was claimed by two workers (this one is named {name!r}); "
+                "every worker needs a unique rank"
+            )
+        self.store.set(f"worker/{self.rank}", pickle.dumps((name, endpoint, identity)))
+        keys = [f"worker/{r}" for r in range(self.world_size)]
+        deadline = time.monotonic() + self.timeout
+
+        def ready() -> bool:
+            self._raise_if_failed()
+            return bool(self.store.check(keys))
+
+        if not _poll_until(ready, deadline):
+            missing = [r for r in range(self.world_size) if not self.store.check([keys[r]])]
+            raise RendezvousError(
+                f"the group never filled: ranks {missing} of world_size {self.world_size} did "
+                f"not join within {self.timeout:.0f}s (rendezvous at "
+                f"{_describe_init_method(self.init_method)})"
+            )
+        members = []
+        for r in range(self.world_size):
+            member_name, member_endpoint, member_identity = pickle.loads(self.store.get(keys[r]))
+            members.append(GroupMember(member_name, r, member_endpoint, member_identity))
+        seen: dict[str, int] = {}
+        for member in members:
+            if member.name in seen:
+                raise RendezvousError(
+                    f"worker name {member.name!r} is not unique: ranks {seen[member.name]} "
+                    f"and {member.rank} both use it"
+                )
+            seen[member.name] = member.rank
+        return members
+
+    def barrier(self, tag: str) -> StoreBarrier:
+        return StoreBarrier(self.store, tag, self.rank, self.world_size)
+
+    def close(self) -> None:
+        self.store = None
+        self._root = None
+
+
+class StoreBarrier:
+    """A counting barrier on the store that can name who never arrived."""
+
+    def __init__(self, store: Any, tag: str, rank: int, world_size: int) -> None:
+        self._store = store
+        self._tag = tag
+        self._rank = rank
+        self._world_size = world_size
+
+    def arrive(self) -> None:
+        self._store.set(f"{self._tag}/{self._rank}", "1")
+        self._store.add(self._tag, 1)
+
+    def wait(self, deadline: float) -> list[int]:
+        """Wait until everyone arrived; return the ranks still missing at the deadline."""
+        if _poll_until(lambda: int(self._store.add(self._tag, 0)) >= self._world_size, deadline):
+            return []
+        return [
+            r
+            for r in range(self._world_size)
+            if not self._store.check([f"{self._tag}/{r}"])
+        ]

@@ -1,0 +1,149 @@
+"""The actorrpc wire format (protocol version 1).
+
+Topology
+--------
+Every worker binds one ZeroMQ ROUTER socket (its *inbox*) and connects one
+DEALER socket to each peer's ROUTER. All traffic from worker A to worker B,
+requests and responses alike, travels over A's DEALER into B's ROUTER; B
+answers over its own DEALER into A's ROUTER. A DEALER's routing id is the
+sender's *connection id* (``"<rank>:<nonce>"``), so the receiving ROUTER
+prefixes every message with a frame naming the sender.
+
+Frames
+------
+A message is one ZeroMQ multipart message::
+
+    frame 0   header       20 bytes, layout below
+    frame 1   payload      pickle protocol 5 bytes (may be empty)
+    frame 2.. buffers      ``nbuffers`` out-of-band pickle buffers (tensor data)
+
+On receipt the ROUTER adds the sender's routing id in front of frame 0.
+
+Header
+------
+Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
+
+    offset size field
+    0      2    magic       b"AR"
+    2      1    version     PROTOCOL_VERSION (1)
+    3      1    kind        a :class:`MessageKind`
+    4      2    flags       reserved, 0
+    6      2    nbuffers    number of buffer frames after the payload
+    8      4    sender      rank of the sending worker
+    12     8    message id  unique per sender; a response echoes its request's id
+
+Message kinds
+-------------
+Every kind except ``RESPONSE`` and ``EXCEPTION`` is a *request* and is answered
+by exactly one ``RESPONSE`` (payload: the result) or ``EXCEPTION`` (payload: a
+``RemoteExceptionInfo`` tuple) carrying the same message id. Payloads are
+pickled tuples:
+
+========================  ==  ==================================================
+kind                      id  payload
+========================  ==  ==================================================
+CALL                       1  ``(func, args, kwargs, meta)``
+RESPONSE                   2  result value
+EXCEPTION                  3  ``(type, args, repr, traceback, worker name)``
+REMOTE_CALL                4  ``(func, args, kwargs, meta, rref_id, fork_id)``
+RREF_FETCH                 5  ``(rref_id, meta)``
+RREF_FORK_REQUEST          6  ``(rref_id, fork_id)`` user -> owner
+RREF_CHILD_ACCEPT          7  ``(fork_id,)``  child -> parent
+RREF_USER_DELETE           8  ``(rref_id, fork_id)`` user -> owner
+AUTOGRAD_BACKWARD          9  ``(context_id, message_id, grads, retain_graph)``
+AUTOGRAD_CLEANUP          10  ``(context_id,)``
+PING                      11  ``()`` application-level liveness check
+BARRIER                   12  ``(name, rank)``
+========================  ==  ==================================================
+
+``meta`` is a dict of call metadata contributed by registered call hooks (for
+example the distributed autograd context id). Higher layers register handlers
+for their kinds with the agent's dispatcher; the dispatcher itself knows none
+of them.
+
+Errors
+------
+A frame that is too short, carries the wrong magic or version, an unknown kind,
+or a buffer count that does not match the frames is a
+:class:`~actorrpc.errors.ProtocolError`. When the header could be decoded the
+receiver answers with ``EXCEPTION``; otherwise the message is dropped and a
+rate-limited warning is logged.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import NamedTuple
+
+from ..errors import ProtocolError
+
+__all__ = [
+    "HEADER_SIZE",
+    "MAGIC",
+    "PROTOCOL_VERSION",
+    "RESPONSE_KINDS",
+    "Header",
+    "MessageKind",
+    "decode_header",
+    "encode_header",
+]
+
+MAGIC = b"AR"
+PROTOCOL_VERSION = 1
+_HEADER = struct.Struct("!2sBBHHIQ")
+HEADER_SIZE = _HEADER.size
+_MAX_BUFFERS = 65535
+
+
+class MessageKind(enum.IntEnum):
+    """Every message kind on the wire (see the module docstring)."""
+
+    CALL = 1
+    RESPONSE = 2
+    EXCEPTION = 3
+    REMOTE_CALL = 4
+    RREF_FETCH = 5
+    RREF_FORK_REQUEST = 6
+    RREF_CHILD_ACCEPT = 7
+    RREF_USER_DELETE = 8
+    AUTOGRAD_BACKWARD = 9
+    AUTOGRAD_CLEANUP = 10
+    PING = 11
+    BARRIER = 12
+
+
+RESPONSE_KINDS = frozenset({MessageKind.RESPONSE, MessageKind.EXCEPTION})
+_KNOWN_KINDS = frozenset(int(k) for k in MessageKind)
+
+
+class Header(NamedTuple):
+    """A decoded message header."""
+
+    kind: MessageKind
+    nbuffers: int
+    sender: int
+    message_id: int
+
+
+def encode_header(kind: MessageKind, nbuffers: int, sender: int, message_id: int) -> bytes:
+    """Pack a header; ``nbuffers`` must fit in 16 bits."""
+    if nbuffers > _MAX_BUFFERS:
+        raise ProtocolError(f"a message may carry at most {_MAX_BUFFERS} buffers, got {nbuffers}")
+    return _HEADER.pack(MAGIC, PROTOCOL_VERSION, int(kind), 0, nbuffers, sender, message_id)
+
+
+def decode_header(frame: bytes | memoryview) -> Header:
+    """Unpack and validate a header frame, raising :class:`ProtocolError` if malformed."""
+    if len(frame) != HEADER_SIZE:
+        raise ProtocolError(f"header frame has {len(frame)} bytes, expected {HEADER_SIZE}")
+    magic, version, kind, _flags, nbuffers, sender, message_id = _HEADER.unpack(frame)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"unsupported protocol version {version} (this worker speaks {PROTOCOL_VERSION})"
+        )
+    if kind not in _KNOWN_KINDS:
+        raise ProtocolError(f"unknown message kind {kind}")
+    return Header(MessageKind(kind), nbuffers, sender, message_id)

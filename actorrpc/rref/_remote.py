@@ -1,0 +1,214 @@
+"""``remote()`` and the owner/user message handlers of the RRef protocol."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..agent import Agent, IncomingRequest, current_agent, register_agent_plugin, run_user_function
+from ..errors import ShutdownError
+from ..protocol import MessageKind
+from ..serialization import register_reducer
+from ._context import GloballyUniqueId, OwnerState, RRefContext
+from ._rref import RRef, _reduce_rref, creation_timeout_error, ctx_register, rref_context
+
+__all__ = ["debug_info", "remote"]
+
+_log = logging.getLogger("actorrpc.rref")
+
+
+def remote(
+    to: Any,
+    func: Any,
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = -1.0,
+) -> RRef[Any]:
+    """Run ``func(*args, **kwargs)`` on ``to`` and return an :class:`RRef` to the result.
+
+    Returns at once; the value is created asynchronously. Errors raised while
+    creating it are re-raised by ``to_here()`` (and by the proxies).
+
+    Args:
+        to: destination worker name, rank or :class:`WorkerInfo`.
+        func: a callable (a builtin, torch op, function or class).
+        args, kwargs: its arguments.
+        timeout: seconds for the creation (``-1``: the default; ``0``: none).
+
+    Example::
+
+        >>> # on worker0, with worker1 in the group
+        >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 3))
+        >>> rref.to_here()
+        tensor([4., 4.])
+    """
+    agent = current_agent()
+    dest = agent.resolve(to)
+    ctx = rref_context(agent)
+    rref_id = ctx.new_id()
+    args = tuple(args or ())
+    kwargs = dict(kwargs or {})
+    if dest.id == agent.rank:
+        state = OwnerState(rref_id)
+        ctx_register(ctx, state)
+        ctx.owners[rref_id] = state
+        rref = RRef._make_owner(agent, state)
+        future = agent.call(dest, func, args, kwargs, timeout, MessageKind.REMOTE_CALL,
+                            (rref_id, None))
+        rref._creation_future = future
+        future.add_done_callback(lambda f: _self_created(state, f))
+        return rref
+    fork_id = ctx.new_id()
+    rref = RRef._make_user(agent, dest, rref_id, fork_id)
+    ctx.add_pending_user(rref)
+    future = agent.call(dest, func, args, kwargs, timeout, MessageKind.REMOTE_CALL,
+                        (rref_id, fork_id))
+    rref._creation_future = future
+
+    def created(done: torch.futures.Future[Any]) -> None:
+        try:
+            done.wait()
+        except BaseException as exc:  # noqa: BLE001 - stored on the RRef
+            rref._creation_error = creation_timeout_error(exc, rref)
+        ctx.confirm_user(fork_id)
+
+    future.add_done_callback(created)
+    return rref
+
+
+def _self_created(state: OwnerState, future: torch.futures.Future[Any]) -> None:
+    try:
+        future.wait()
+    except BaseException as exc:  # noqa: BLE001
+        state.set_error(exc)
+
+
+def debug_info() -> dict[str, int]:
+    """The RRef tables' sizes on this worker (owner RRefs, forks, pending users/children)."""
+    return rref_context().debug_info()
+
+
+# -- handlers (owner side unless noted) ----------------------------------------------------
+
+
+def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
+    func, args, kwargs, meta, rref_id, fork_id = request.payload
+    ctx = rref_context(agent)
+    state = ctx.get_or_create_owner(rref_id)
+    if fork_id is not None:
+        ctx.add_fork(state, fork_id)
+    try:
+        with agent.incoming_scope(request.sender, meta):
+            value = run_user_function(func, args, kwargs)
+    except BaseException as exc:
+        state.set_error(exc)
+        _release_self_owner(ctx, rref_id, fork_id)
+        raise
+    if isinstance(value, torch._C.Future):
+        def settle(done: torch.futures.Future[Any]) -> None:
+            try:
+                state.set_value(done.wait())
+            except BaseException as exc:  # noqa: BLE001
+                state.set_error(exc)
+            _release_self_owner(ctx, rref_id, fork_id)
+
+        return value.then(settle)
+    state.set_value(value)
+    _release_self_owner(ctx, rref_id, fork_id)
+    return None
+
+
+def _release_self_owner(ctx: RRefContext, rref_id: GloballyUniqueId, fork_id: Any) -> None:
+    if fork_id is None:
+        ctx.release_if_unforked(rref_id)
+
+
+def _handle_fetch(agent: Agent, request: IncomingRequest) -> Any:
+    rref_id, meta = request.payload
+    ctx = rref_context(agent)
+    state = ctx.local_states.get(rref_id) or ctx.get_or_create_owner(rref_id)
+    scope = agent.incoming_scope(request.sender, meta)
+
+    def deliver(done: torch.futures.Future[Any]) -> Any:
+        with scope:
+            return done.value()
+
+    return state.ready.then(deliver)
+
+
+def _handle_fork_request(agent: Agent, request: IncomingRequest) -> None:
+    rref_id, fork_id = request.payload
+    ctx = rref_context(agent)
+    ctx.add_fork(ctx.get_or_create_owner(rref_id), fork_id)
+
+
+def _handle_child_accept(agent: Agent, request: IncomingRequest) -> None:
+    (fork_id,) = request.payload
+    rref_context(agent).accept_child(fork_id)
+
+
+def _handle_user_delete(agent: Agent, request: IncomingRequest) -> None:
+    rref_id, fork_id = request.payload
+    rref_context(agent).delete_fork(rref_id, fork_id)
+
+
+def _send_user_delete(agent: Agent, owner: int, rref_id: Any, fork_id: Any) -> None:
+    try:
+        agent.send_request(
+            agent.resolve(owner), MessageKind.RREF_USER_DELETE, (rref_id, fork_id),
+            description="RRef user delete",
+        )
+    except Exception as exc:  # noqa: BLE001 - the owner is gone or we are closing
+        _log.warning("cannot tell worker %s that fork %s was deleted: %s", owner, fork_id, exc)
+
+
+def _shutdown_rrefs(agent: Agent, ctx: RRefContext, deadline: float) -> None:
+    """Graceful shutdown: drain pending users/children, delete users, wait for forks to go."""
+    drained = ctx.wait_until(lambda: not ctx.pending_users and not ctx.pending_children, deadline)
+    ctx.delete_all_users()
+    forks_gone = ctx.wait_until(lambda: not ctx.forks, deadline)
+    if drained and forks_gone:
+        return
+    leaks = ctx.leaks()
+    info = ctx.debug_info()
+    for line in leaks:
+        _log.warning("%s: %s", agent.name, line)
+    message = (
+        f"RRefs leaked on {agent.name!r}: {len(leaks)} forks still registered, "
+        f"{info['num_pending_users']} pending users, {info['num_pending_children']} pending "
+        f"children at shutdown"
+    )
+    if agent.options.strict_rref_leaks:
+        raise ShutdownError(message + ": " + "; ".join(leaks[:10]))
+    _log.warning("%s", message)
+
+
+def _install(agent: Agent) -> None:
+    def send_delete(owner: int, rref_id: Any, fork_id: Any) -> None:
+        agent.call_soon(_send_user_delete, agent, owner, rref_id, fork_id)
+
+    ctx = RRefContext(agent.rank, send_delete)
+    agent.extensions["rref"] = ctx
+    agent.register_handler(MessageKind.REMOTE_CALL, lambda r: _handle_remote_call(agent, r))
+    agent.register_handler(MessageKind.RREF_FETCH, lambda r: _handle_fetch(agent, r), inline=True)
+    agent.register_handler(
+        MessageKind.RREF_FORK_REQUEST, lambda r: _handle_fork_request(agent, r), inline=True
+    )
+    agent.register_handler(
+        MessageKind.RREF_CHILD_ACCEPT, lambda r: _handle_child_accept(agent, r), inline=True
+    )
+    agent.register_handler(
+        MessageKind.RREF_USER_DELETE, lambda r: _handle_user_delete(agent, r), inline=True
+    )
+    agent.add_shutdown_hook(lambda deadline: _shutdown_rrefs(agent, ctx, deadline))
+
+    def close(graceful: bool) -> None:
+        ctx.closed = True
+
+    agent.add_close_hook(close)
+
+
+register_agent_plugin(_install)
+register_reducer(RRef, _reduce_rref)

@@ -1,0 +1,319 @@
+"""The :class:`RRef` handle and ``remote()``.
+
+Sharing cases (A, B, C are workers; B owns the value):
+
+1. ``remote()`` from A: A makes a pending user {rref id, fork id} and sends
+   REMOTE_CALL; B registers the fork, runs the function and replies; the reply
+   confirms A's user.
+2. A user on A sends its RRef to the owner B: A keeps the parent in
+   ``pending_children`` under a new fork id; B resolves it to its owner RRef and
+   sends RREF_CHILD_ACCEPT to A.
+3. The owner B sends its RRef to C: B registers the fork before sending (early
+   registration); C's user is confirmed at once.
+4. A user on A sends its RRef to C: A keeps the parent in ``pending_children``;
+   C makes a pending user and sends RREF_FORK_REQUEST to B; on B's ack C is
+   confirmed and sends RREF_CHILD_ACCEPT to A. C runs the called function only
+   after the ack.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Generic, TypeVar
+
+from ..agent import Agent, Future, current_agent
+from ..errors import RpcTimeoutError, RRefError, SerializationError
+from ..protocol import MessageKind
+from ..serialization import current_pickle_target, current_unpickle_source
+from ..agent import WorkerInfo
+from ._context import GloballyUniqueId, OwnerState, RRefContext
+
+__all__ = ["RRef", "rref_context"]
+
+T = TypeVar("T")
+_log = logging.getLogger("actorrpc.rref")
+
+
+def rref_context(agent: Agent | None = None) -> RRefContext:
+    agent = agent or current_agent()
+    ctx: RRefContext = agent.extensions["rref"]
+    return ctx
+
+
+class RRef(Generic[T]):
+    """A reference to a value owned by one worker of the group.
+
+    ``RRef(value)`` makes a local owner RRef; ``rpc.remote(...)`` returns one
+    whose value lives on another worker.
+
+    Example::
+
+        >>> # on worker0
+        >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+        >>> rref.to_here()
+        tensor([2., 2.])
+        >>> rref.owner()
+        WorkerInfo(id=1, name=worker1)
+    """
+
+    _agent: Agent
+    _owner: WorkerInfo
+    _rref_id: GloballyUniqueId
+    _fork_id: GloballyUniqueId | None
+    _state: OwnerState | None
+    _confirmed: bool
+    _deleted: bool
+    _creation_error: BaseException | None
+    _creation_future: Future[Any] | None
+
+    def __init__(self, value: T, type_hint: Any = None) -> None:
+        agent = current_agent()
+        ctx = rref_context(agent)
+        state = OwnerState(ctx.new_id())
+        state.set_value(value)
+        ctx_register(ctx, state)
+        self._init_owner(agent, state)
+
+    def _init_owner(self, agent: Agent, state: OwnerState) -> None:
+        self._agent = agent
+        self._owner = agent.info
+        self._rref_id = state.rref_id
+        self._fork_id = None
+        self._state = state
+        self._confirmed = True
+        self._deleted = False
+        self._creation_error = None
+        self._creation_future = None
+
+    @classmethod
+    def _make_owner(cls, agent: Agent, state: OwnerState) -> RRef[Any]:
+        rref: RRef[Any] = cls.__new__(cls)
+        rref._init_owner(agent, state)
+        return rref
+
+    @classmethod
+    def _make_user(
+        cls, agent: Agent, owner: WorkerInfo, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId
+    ) -> RRef[Any]:
+        rref: RRef[Any] = cls.__new__(cls)
+        rref._agent = agent
+        rref._owner = owner
+        rref._rref_id = rref_id
+        rref._fork_id = fork_id
+        rref._state = None
+        rref._confirmed = False
+        rref._deleted = False
+        rref._creation_error = None
+        rref._creation_future = None
+        return rref
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
+        return self._state is not None
+
+    def owner(self) -> WorkerInfo:
+        """The :class:`WorkerInfo` of the owner."""
+        return self._owner
+
+    def owner_name(self) -> str:
+        return self._owner.name
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner knows of this handle (always true on the owner)."""
+        return self._confirmed
+
+    def _check_usable(self, what: str) -> None:
+        if self._deleted:
+            raise RRefError(f"{self} was deleted (RPC shut down); cannot call {what}() on it")
+        try:
+            agent = current_agent()
+        except Exception as exc:
+            raise RRefError(f"cannot call {what}() on {self}: {exc}") from exc
+        if agent is not self._agent:
+            raise RRefError(
+                f"{self} belongs to an RPC session that has shut down; cannot call {what}() on it"
+            )
+
+    def local_value(self) -> T:
+        """The value itself; only on the owner."""
+        if self._state is None:
+            raise RRefError(
+                f"{self} is not the owner: call local_value() on its owner {self._owner!r}, "
+                "or use to_here() to fetch a copy"
+            )
+        return self._state.wait(0)  # type: ignore[no-any-return]
+
+    def to_here(self, timeout: float = -1.0) -> T:
+        """Fetch a copy of the value (blocking); on the owner, wait for it and return it."""
+        self._check_usable("to_here")
+        agent = self._agent
+        effective = agent.effective_timeout(timeout)
+        if self._state is not None:
+            return self._state.wait(effective)  # type: ignore[no-any-return]
+        if self._creation_error is not None:
+            raise self._creation_error
+        meta: dict[str, Any] = {}
+        for hook in agent._hooks:
+            hook.outgoing_meta(self._owner, meta)
+        future = agent.send_request(
+            self._owner, MessageKind.RREF_FETCH, (self._rref_id, meta), timeout,
+            description=f"to_here() of {self}",
+        )
+        return future.wait()  # type: ignore[no-any-return]
+
+    def _get_future(self) -> Future[Any]:
+        """The future of the ``remote()`` call that created this RRef."""
+        if self._creation_future is None:
+            done: Future[Any] = Future("RRef creation")
+            from ..agent import complete
+
+            complete(done, None)
+            return done
+        return self._creation_future
+
+    def _get_type(self, timeout: float = -1.0) -> type:
+        from ._proxy import fetch_type
+
+        return fetch_type(self, timeout)
+
+    # -- proxies ------------------------------------------------------------------------------
+
+    def rpc_sync(self, timeout: float = -1.0) -> Any:
+        """``rref.rpc_sync().method(*args)`` runs ``method`` on the owner's value and waits."""
+        from ._proxy import RRefProxy
+
+        return RRefProxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float = -1.0) -> Any:
+        """``rref.rpc_async().method(*args)`` returns a Future of the method's result."""
+        from ._proxy import RRefProxy
+
+        return RRefProxy(self, "async", timeout)
+
+    def remote(self, timeout: float = -1.0) -> Any:
+        """``rref.remote().method(*args)`` returns an RRef to the method's result."""
+        from ._proxy import RRefProxy
+
+        return RRefProxy(self, "remote", timeout)
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run backward from the value of this RRef (a scalar tensor)."""
+        if dist_autograd_ctx_id == -1:
+            if self._state is None:
+                raise RRefError("User RRefs require 'dist_autograd_ctx_id' to be specified")
+            self.local_value().backward(retain_graph=retain_graph)  # type: ignore[attr-defined]
+            return
+        from ._proxy import rref_backward
+
+        rref_backward(self, dist_autograd_ctx_id, retain_graph)
+
+    # -- strings, pickling, deletion ----------------------------------------------------------
+
+    def __str__(self) -> str:
+        if self._state is not None:
+            return f"OwnerRRef({self._rref_id!r})"
+        return f"UserRRef(RRefId = {self._rref_id!r}, ForkId = {self._fork_id!r})"
+
+    def __repr__(self) -> str:
+        return f"<{self} owned by {self._owner!r}>"
+
+    def __reduce__(self) -> Any:
+        return _reduce_rref(self)
+
+    def __del__(self) -> None:
+        try:
+            if self._state is None and self._confirmed and not self._deleted:
+                ctx: RRefContext | None = self._agent.extensions.get("rref")
+                if ctx is not None and not ctx.closed:
+                    ctx.user_deleted(self)
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+
+def ctx_register(ctx: RRefContext, state: OwnerState) -> None:
+    ctx.local_states[state.rref_id] = state
+
+
+def _reduce_rref(rref: RRef[Any]) -> Any:
+    target = current_pickle_target()
+    if target is None:
+        raise SerializationError(
+            f"Can not pickle rref in python pickler: {rref} can only travel as an argument or "
+            "result of an RPC (rpc_sync, rpc_async, remote)"
+        )
+    agent = rref._agent
+    ctx = rref_context(agent)
+    if rref._state is not None:
+        if target.worker_id == agent.rank:
+            fork_id = None
+        else:
+            fork_id = ctx.new_id()
+            ctx.add_fork(rref._state, fork_id)  # early fork registration
+        parent = None
+    else:
+        if rref._creation_error is not None:
+            raise RRefError(f"cannot share {rref}: its creation failed: {rref._creation_error}")
+        fork_id = ctx.new_id()
+        ctx.add_pending_child(fork_id, rref)  # G2: the parent outlives the unconfirmed child
+        parent = agent.rank
+    return _rebuild_rref, (rref._owner, rref._rref_id, fork_id, parent)
+
+
+def _rebuild_rref(
+    owner: WorkerInfo,
+    rref_id: GloballyUniqueId,
+    fork_id: GloballyUniqueId | None,
+    parent: int | None,
+) -> RRef[Any]:
+    agent = current_agent()
+    ctx = rref_context(agent)
+    if owner.id == agent.rank:
+        state = ctx.local_states.get(rref_id) or ctx.get_or_create_owner(rref_id)
+        if fork_id is not None and parent is not None:
+            agent.call_soon(_send_child_accept, agent, parent, fork_id)
+        return RRef._make_owner(agent, state)
+    assert fork_id is not None
+    rref = RRef._make_user(agent, owner, rref_id, fork_id)
+    if parent is None:
+        rref._confirmed = True
+        ctx.add_confirmed_user(rref)
+        return rref
+    ctx.add_pending_user(rref)
+    request = agent.send_request(
+        owner, MessageKind.RREF_FORK_REQUEST, (rref_id, fork_id), description="RRef fork request"
+    )
+
+    def acknowledged(done: Any) -> None:
+        try:
+            done.wait()
+        except Exception as exc:  # noqa: BLE001 - the owner refused; still release the parent
+            _log.warning("fork request for %s failed: %s", rref_id, exc)
+        ctx.confirm_user(fork_id)
+        _send_child_accept(agent, parent, fork_id)
+
+    confirmed = request.then(acknowledged)
+    source = current_unpickle_source()
+    if source is not None:
+        source.pending.append(confirmed)  # the callee runs only once every RRef is confirmed
+    return rref
+
+
+def _send_child_accept(agent: Agent, parent: int, fork_id: GloballyUniqueId) -> None:
+    if parent == agent.rank:
+        rref_context(agent).accept_child(fork_id)
+        return
+    try:
+        agent.send_request(
+            agent.resolve(parent), MessageKind.RREF_CHILD_ACCEPT, (fork_id,),
+            description="RRef child accept",
+        )
+    except Exception as exc:  # noqa: BLE001 - best effort while shutting down
+        _log.warning("cannot send child accept for %s: %s", fork_id, exc)
+
+
+def creation_timeout_error(error: BaseException, rref: RRef[Any]) -> BaseException:
+    if isinstance(error, RpcTimeoutError):
+        return RpcTimeoutError(f"RRef creation via rpc.remote() timed out: {rref}: {error}")
+    return error

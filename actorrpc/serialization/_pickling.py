@@ -1,0 +1,273 @@
+"""Pickling for the wire: protocol 5, out-of-band tensor buffers, dill only where needed.
+
+Invariants:
+
+* Tensor data never enters the pickle stream: a dense CPU tensor is reduced to
+  its dtype, size, strides and one out-of-band buffer holding exactly the bytes
+  its view spans (a view of a large storage sends only its own elements).
+* Importable functions and classes travel by reference (plain pickle). Those
+  defined in ``__main__``, in a notebook cell, as lambdas or closures travel by
+  value through dill; the receiver caches what it rebuilt by content, so one
+  definition maps to one object there and a re-defined one replaces it.
+* Upper layers (RRefs) add reducers by registration and read the thread-local
+  :class:`PickleTarget` / :class:`UnpickleSource` to learn where bytes go or
+  come from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import threading
+import types
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import dill
+import torch
+
+from ..errors import DeserializationError, SerializationError
+
+__all__ = [
+    "PickleTarget",
+    "UnpickleSource",
+    "current_pickle_target",
+    "current_unpickle_source",
+    "dumps",
+    "loads",
+    "pickling_for",
+    "register_reducer",
+    "unpickling_from",
+]
+
+Reducer = Callable[[Any], Any]
+_reducers: dict[type, Reducer] = {}
+_local = threading.local()
+
+
+class PickleTarget:
+    """Where the bytes being pickled on this thread will go (a worker id)."""
+
+    def __init__(self, worker_id: int) -> None:
+        self.worker_id = worker_id
+
+
+class UnpickleSource:
+    """Which worker sent the bytes being unpickled on this thread."""
+
+    def __init__(self, worker_id: int) -> None:
+        self.worker_id = worker_id
+        self.pending: list[Any] = []  # futures to wait on before the payload may be used
+
+
+def register_reducer(cls: type, reducer: Reducer) -> None:
+    """Make ``reducer(obj)`` pickle instances of exactly ``cls`` on the wire."""
+    _reducers[cls] = reducer
+
+
+def current_pickle_target() -> PickleTarget | None:
+    return getattr(_local, "target", None)
+
+
+def current_unpickle_source() -> UnpickleSource | None:
+    return getattr(_local, "source", None)
+
+
+@contextmanager
+def pickling_for(worker_id: int) -> Iterator[PickleTarget]:
+    previous = current_pickle_target()
+    _local.target = target = PickleTarget(worker_id)
+    try:
+        yield target
+    finally:
+        _local.target = previous
+
+
+@contextmanager
+def unpickling_from(worker_id: int) -> Iterator[UnpickleSource]:
+    previous = current_unpickle_source()
+    _local.source = source = UnpickleSource(worker_id)
+    try:
+        yield source
+    finally:
+        _local.source = previous
+
+
+# --- tensors -----------------------------------------------------------------
+
+
+def _rebuild_tensor(
+    dtype: torch.dtype,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    is_parameter: bool,
+    data: Any,
+) -> torch.Tensor:
+    raw = memoryview(data)
+    if raw.nbytes == 0:
+        flat = torch.empty(0, dtype=dtype)
+    else:
+        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+    tensor = torch.as_strided(flat, size, stride, 0)
+    if is_parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def _span(tensor: torch.Tensor) -> int:
+    """Number of elements between the first and last element the view touches."""
+    if tensor.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+
+
+def _reduce_tensor(tensor: torch.Tensor) -> Any:
+    if (
+        tensor.layout != torch.strided
+        or tensor.device.type != "cpu"
+        or tensor.is_quantized
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or any(s < 0 for s in tensor.stride())
+    ):
+        return NotImplemented
+    detached = tensor.detach()
+    span = _span(detached)
+    if span > detached.numel():
+        detached = detached.contiguous()  # a gappy view: send only its elements
+        span = detached.numel()
+    flat = torch.as_strided(detached, (span,), (1,), detached.storage_offset())
+    data = pickle.PickleBuffer(flat.view(torch.uint8).numpy() if span else b"")
+    return (
+        _rebuild_tensor,
+        (
+            tensor.dtype,
+            tuple(detached.shape),
+            tuple(detached.stride()),
+            tensor.requires_grad,
+            isinstance(tensor, torch.nn.Parameter),
+            data,
+        ),
+    )
+
+
+# --- by-value code -------------------------------------------------------------
+
+_by_value_cache: weakref.WeakKeyDictionary[Any, tuple[Any, bytes]] = weakref.WeakKeyDictionary()
+_rebuilt_cache: OrderedDict[bytes, Any] = OrderedDict()
+_rebuilt_lock = threading.Lock()
+_REBUILT_CACHE_SIZE = 512
+
+
+def _needs_by_value(obj: Any) -> bool:
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", "")
+    return module in (None, "__main__") or "<lambda>" in qualname or "<locals>" in qualname
+
+
+def _load_by_value(blob: bytes) -> Any:
+    key = hashlib.blake2b(blob, digest_size=16).digest()
+    with _rebuilt_lock:
+        obj = _rebuilt_cache.get(key)
+        if obj is not None:
+            _rebuilt_cache.move_to_end(key)
+            return obj
+    obj = dill.loads(blob)
+    with _rebuilt_lock:
+        _rebuilt_cache[key] = obj
+        if len(_rebuilt_cache) > _REBUILT_CACHE_SIZE:
+            _rebuilt_cache.popitem(last=False)
+    return obj
+
+
+def _reduce_by_value(obj: Any) -> Any:
+    code = getattr(obj, "__code__", None)
+    try:
+        cached = _by_value_cache.get(obj)
+    except TypeError:
+        cached = None
+    if cached is not None and cached[0] is code:
+        return _load_by_value, (cached[1],)
+    blob = dill.dumps(obj, protocol=5, recurse=True)
+    try:
+        _by_value_cache[obj] = (code, blob)
+    except TypeError:
+        pass
+    return _load_by_value, (blob,)
+
+
+class _WirePickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls is torch.Tensor or cls is torch.nn.Parameter:
+            return _reduce_tensor(obj)
+        reducer = _reducers.get(cls)
+        if reducer is not None:
+            return reducer(obj)
+        if (cls is types.FunctionType or isinstance(obj, type)) and _needs_by_value(obj):
+            return _reduce_by_value(obj)
+        return NotImplemented
+
+
+def _describe(obj: Any) -> str:
+    text = repr(obj)
+    if len(text) > 120:
+        text = text[:117] + "..."
+    return f"{text} (type {type(obj).__module__}.{type(obj).__qualname__})"
+
+
+def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> str | None:
+    """Locate the first element of ``obj`` that cannot be pickled, as a path."""
+    items: Sequence[tuple[str, Any]] = ()
+    if depth < 4 and isinstance(obj, (list, tuple)):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    elif depth < 4 and isinstance(obj, dict):
+        items = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    for sub_path, value in items:
+        try:
+            _dump(value)
+        except Exception:
+            return _find_unpicklable(value, sub_path, depth + 1) or f"{sub_path} = {_describe(value)}"
+    return None
+
+
+def _dump(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    _WirePickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
+    return stream.getvalue(), buffers
+
+
+def dumps(obj: Any, what: str = "object") -> tuple[bytes, list[memoryview]]:
+    """Pickle ``obj`` into a payload and its out-of-band buffers.
+
+    Raises:
+        SerializationError: naming the element that cannot be pickled.
+    """
+    try:
+        payload, buffers = _dump(obj)
+    except SerializationError:
+        raise
+    except Exception as exc:
+        culprit = _find_unpicklable(obj, what) or _describe(obj)
+        raise SerializationError(f"cannot pickle {culprit}: {type(exc).__name__}: {exc}") from exc
+    return payload, [b.raw() for b in buffers]
+
+
+def loads(payload: Any, buffers: Sequence[Any] = ()) -> Any:
+    """Unpickle a payload produced by :func:`dumps`.
+
+    Raises:
+        DeserializationError: when the bytes cannot be unpickled on this worker.
+    """
+    try:
+        return pickle.loads(payload, buffers=buffers)
+    except Exception as exc:
+        raise DeserializationError(f"cannot unpickle: {type(exc).__name__}: {exc}") from exc

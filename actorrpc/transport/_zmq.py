@@ -1,0 +1,254 @@
+"""ZeroMQ sockets: the only module of actorrpc that touches ZeroMQ.
+
+Invariants:
+
+* The inbox ROUTER socket is used by exactly one thread, the agent's I/O thread
+  (:meth:`Transport.receive`).
+* Each outgoing DEALER link is used by whichever thread sends, but only while
+  holding that link's lock, which also gives the memory barrier ZeroMQ asks for
+  when a socket moves between threads.
+* Nothing is dropped silently: DEALER sockets queue up to the high-water mark
+  and then block the sender (back-pressure); a link that cannot take a message
+  within the send timeout raises :class:`~actorrpc.errors.PeerUnreachableError`.
+* Every connection is authenticated before a byte of it reaches the inbox
+  (ZAP with PLAIN credentials by default, or CURVE, which also encrypts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+import zmq.auth.thread
+
+from ..errors import ActorRpcError, InvalidArgumentError, PeerUnreachableError
+
+__all__ = ["SECURITY_MODES", "PeerLink", "Transport"]
+
+SECURITY_MODES = ("plain", "curve", "none")
+_ZAP_DOMAIN = "actorrpc"
+_USER = "actorrpc"
+_RECV_BATCH = 256
+
+
+def _curve_keypair(secret: str) -> tuple[bytes, bytes]:
+    """A CURVE keypair derived from the group secret: every member shares it."""
+    secret_key = zmq.utils.z85.encode(hashlib.sha256(secret.encode()).digest())
+    return zmq.curve_public(secret_key), secret_key
+
+
+class _CurveKeyCheck:
+    """ZAP callback that admits only the group's public key."""
+
+    def __init__(self, public_key: bytes) -> None:
+        self._public_key = public_key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return zmq.utils.z85.encode(key) == self._public_key or key == self._public_key
+
+
+class PeerLink:
+    """A DEALER socket connected to one peer's inbox, safe to share between threads."""
+
+    def __init__(self, socket: zmq.Socket[Any], endpoint: str) -> None:
+        self._socket = socket
+        self._lock = threading.Lock()
+        self.endpoint = endpoint
+        self.closed = False
+
+    def send(self, frames: Sequence[Any], copy_threshold: int = 65536) -> None:
+        """Send one multipart message; large frames go zero-copy."""
+        last = len(frames) - 1
+        with self._lock:
+            if self.closed:
+                raise PeerUnreachableError(f"link to {self.endpoint} is closed")
+            try:
+                for index, frame in enumerate(frames):
+                    flags = zmq.SNDMORE if index < last else 0
+                    big = isinstance(frame, memoryview) and frame.nbytes >= copy_threshold
+                    self._socket.send(frame, flags, copy=not big)
+            except zmq.Again as exc:
+                raise PeerUnreachableError(
+                    f"peer at {self.endpoint} did not accept a message in time "
+                    "(it is not reading, or the connection is down)"
+                ) from exc
+            except zmq.ZMQError as exc:
+                raise PeerUnreachableError(f"sending to {self.endpoint} failed: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._socket.close(linger=0)
+
+
+class Transport:
+    """One worker's sockets: the inbox ROUTER and a DEALER link per peer.
+
+    Args:
+        identity: the routing id this worker's DEALERs present to peers.
+        bind_host: interface for the inbox (``127.0.0.1`` keeps it on loopback).
+        secret: the group secret; required unless ``security == "none"``.
+        security: ``"plain"`` (authenticated), ``"curve"`` (authenticated and
+            encrypted) or ``"none"``.
+        send_timeout: seconds a send may block on a full queue before failing.
+        high_water_mark: messages queued per link before senders block.
+    """
+
+    def __init__(
+        self,
+        identity: bytes,
+        bind_host: str = "127.0.0.1",
+        secret: str | None = None,
+        security: str = "plain",
+        send_timeout: float = 60.0,
+        high_water_mark: int = 10000,
+    ) -> None:
+        if security not in SECURITY_MODES:
+            raise InvalidArgumentError(
+                f"security must be one of {SECURITY_MODES}, got {security!r}"
+            )
+        if security != "none" and not secret:
+            raise InvalidArgumentError(f"security={security!r} needs a group secret")
+        self._identity = identity
+        self._security = security
+        self._secret = secret or ""
+        self._send_timeout_ms = int(send_timeout * 1000) if send_timeout > 0 else -1
+        self._hwm = high_water_mark
+        self._context: zmq.Context[Any] = zmq.Context()
+        self._authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
+        self._links: dict[bytes, PeerLink] = {}
+        self._links_lock = threading.Lock()
+        try:
+            self._inbox = self._context.socket(zmq.ROUTER)
+            self._inbox.setsockopt(zmq.LINGER, 0)
+            self._inbox.setsockopt(zmq.RCVHWM, high_water_mark)
+            self._inbox.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._inbox.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self._configure_server(self._inbox)
+            port = self._inbox.bind_to_random_port(f"tcp://{bind_host}")
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ActorRpcError(f"cannot bind the inbox on {bind_host}: {exc}") from exc
+        self.endpoint = f"tcp://{bind_host}:{port}"
+        self._wake_lock = threading.Lock()
+        self._wake_rx = self._context.socket(zmq.PAIR)
+        self._wake_rx.bind(f"inproc://wake-{id(self)}")
+        self._wake_tx = self._context.socket(zmq.PAIR)
+        self._wake_tx.connect(f"inproc://wake-{id(self)}")
+        self._poller = zmq.Poller()
+        self._poller.register(self._inbox, zmq.POLLIN)
+        self._poller.register(self._wake_rx, zmq.POLLIN)
+
+    def _configure_server(self, socket: zmq.Socket[Any]) -> None:
+        if self._security == "none":
+            return
+        self._authenticator = zmq.auth.thread.ThreadAuthenticator(self._context)
+        self._authenticator.start()
+        socket.setsockopt_string(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
+        if self._security == "plain":
+            self._authenticator.configure_plain(_ZAP_DOMAIN, {_USER: self._secret})
+            socket.setsockopt(zmq.PLAIN_SERVER, 1)
+        else:
+            public, secret_key = _curve_keypair(self._secret)
+            self._authenticator.configure_curve_callback(
+                _ZAP_DOMAIN, credentials_provider=_CurveKeyCheck(public)
+            )
+            socket.setsockopt(zmq.CURVE_SERVER, 1)
+            socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            socket.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
+
+    def _configure_client(self, socket: zmq.Socket[Any]) -> None:
+        if self._security == "plain":
+            socket.setsockopt_string(zmq.PLAIN_USERNAME, _USER)
+            socket.setsockopt_string(zmq.PLAIN_PASSWORD, self._secret)
+        elif self._security == "curve":
+            public, secret_key = _curve_keypair(self._secret)
+            socket.setsockopt(zmq.CURVE_SERVERKEY, public)
+            socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            socket.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
+
+    def link(self, peer: bytes, endpoint: str) -> PeerLink:
+        """Return the link to ``peer``'s inbox at ``endpoint``, connecting on first use."""
+        link = self._links.get(peer)
+        if link is not None and link.endpoint == endpoint and not link.closed:
+            return link
+        with self._links_lock:
+            link = self._links.get(peer)
+            if link is not None and link.endpoint == endpoint and not link.closed:
+                return link
+            try:
+                socket = self._context.socket(zmq.DEALER)
+                socket.setsockopt(zmq.ROUTING_ID, self._identity)
+                socket.setsockopt(zmq.LINGER, 0)
+                socket.setsockopt(zmq.SNDHWM, self._hwm)
+                socket.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
+                socket.setsockopt(zmq.TCP_KEEPALIVE, 1)
+                socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+                socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+                self._configure_client(socket)
+                socket.connect(endpoint)
+            except zmq.ZMQError as exc:
+                raise PeerUnreachableError(f"cannot connect to {endpoint}: {exc}") from exc
+            if link is not None:
+                link.close()
+            link = PeerLink(socket, endpoint)
+            self._links[peer] = link
+            return link
+
+    def drop_link(self, peer: bytes) -> None:
+        """Close the link to ``peer`` (a peer that left or died)."""
+        with self._links_lock:
+            link = self._links.pop(peer, None)
+        if link is not None:
+            link.close()
+
+    def receive(self, timeout: float) -> list[list[zmq.Frame]]:
+        """Wait up to ``timeout`` seconds and return the messages that arrived.
+
+        Only the I/O thread calls this. Each message is ``[sender id, frames...]``.
+        """
+        events = dict(self._poller.poll(max(0, int(timeout * 1000))))
+        messages: list[list[zmq.Frame]] = []
+        if self._wake_rx in events:
+            try:
+                while True:
+                    self._wake_rx.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        if self._inbox not in events:
+            return messages
+        recv = self._inbox.recv_multipart
+        try:
+            for _ in range(_RECV_BATCH):
+                messages.append(recv(zmq.NOBLOCK, copy=False))
+        except zmq.Again:
+            pass
+        return messages
+
+    def wake(self) -> None:
+        """Make a :meth:`receive` in progress return now (callable from any thread)."""
+        with self._wake_lock:
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        """Close every socket (without lingering) and terminate the ZeroMQ context."""
+        with self._links_lock:
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
+            link.close()
+        for name in ("_inbox", "_wake_rx", "_wake_tx"):
+            socket = getattr(self, name, None)
+            if socket is not None:
+                socket.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+        self._context.term()
