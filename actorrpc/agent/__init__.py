@@ -3,6 +3,7 @@
 from ._agent import (
     Agent,
     CallHook,
+    CallRecord,
     IncomingRequest,
     current_agent,
     register_agent_plugin,
@@ -28,6 +29,7 @@ __all__ = [
     "Agent",
     "BackendType",
     "CallHook",
+    "CallRecord",
     "Future",
     "IncomingRequest",
     "WorkerInfo",

@@ -30,7 +30,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,6 +59,7 @@ from ._worker_info import WorkerInfo
 __all__ = [
     "Agent",
     "CallHook",
+    "CallRecord",
     "IncomingRequest",
     "current_agent",
     "register_agent_plugin",
@@ -83,14 +84,29 @@ class IncomingRequest:
 Handler = Callable[[IncomingRequest], Any]
 
 
+@dataclass
+class CallRecord:
+    """One call as call hooks see it: on the caller before sending, on the callee while serving."""
+
+    peer: WorkerInfo
+    meta: dict[str, Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    result: Any = None
+
+
 class CallHook(Protocol):
-    """Plug-in point for layers that travel with calls (e.g. autograd contexts)."""
+    """Plug-in point for layers that travel with calls (e.g. distributed autograd).
 
-    def outgoing_meta(self, dest: WorkerInfo, meta: dict[str, Any]) -> None: ...
+    ``before_send`` runs on the caller; it may edit ``call.args``, ``call.kwargs``
+    and ``call.meta`` and may return a function applied to the reply's value.
+    ``serving`` is entered on the callee around the function; it may edit
+    ``call.args``/``call.kwargs`` on entry and ``call.result`` on exit.
+    """
 
-    def incoming_scope(
-        self, sender: WorkerInfo, meta: dict[str, Any]
-    ) -> AbstractContextManager[Any]: ...
+    def before_send(self, call: CallRecord) -> Callable[[Any], Any] | None: ...
+
+    def serving(self, call: CallRecord) -> AbstractContextManager[Any]: ...
 
 
 @dataclass
@@ -217,15 +233,10 @@ class Agent:
     # -- membership -----------------------------------------------------------------------
 
     def start(self) -> None:
-        self._running = True
-        self._io_thread = threading.Thread(
-            target=self._io_loop, name=f"actorrpc-io-{self.name}", daemon=True
-        )
-        self._io_thread.start()
+        """Join the group, then start serving: messages that arrive earlier wait in the inbox."""
         try:
             members = self._rendezvous.join(self.name, self._transport.endpoint, self.identity)
         except BaseException:
-            self._stop_threads()
             self._transport.close()
             self._rendezvous.close()
             raise
@@ -234,6 +245,11 @@ class Agent:
             info = WorkerInfo(member.name, member.rank)
             self._infos[member.rank] = info
             self._by_name[member.name] = info
+        self._running = True
+        self._io_thread = threading.Thread(
+            target=self._io_loop, name=f"actorrpc-io-{self.name}", daemon=True
+        )
+        self._io_thread.start()
 
     def is_alive(self) -> bool:
         return self._running
@@ -298,6 +314,42 @@ class Agent:
         self.stats["calls_sent"] += 1
         return future
 
+    def prepare_call(
+        self, dest: WorkerInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[CallRecord, Callable[[Any], Any] | None]:
+        """Run every hook's ``before_send``; return the call and the reply transform."""
+        record = CallRecord(dest, {}, args, kwargs)
+        transforms = [t for t in (hook.before_send(record) for hook in self._hooks) if t]
+        if not transforms:
+            return record, None
+        if len(transforms) == 1:
+            return record, transforms[0]
+
+        def transform_all(value: Any) -> Any:
+            for transform in reversed(transforms):
+                value = transform(value)
+            return value
+
+        return record, transform_all
+
+    def serve(
+        self,
+        sender: WorkerInfo,
+        meta: dict[str, Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        run: Callable[[CallRecord], Any],
+    ) -> Any:
+        """Run ``run(call)`` inside every hook's ``serving`` scope; return the call's result."""
+        record = CallRecord(sender, meta, args, kwargs)
+        if not self._hooks:
+            return run(record)
+        with ExitStack() as stack:
+            for hook in self._hooks:
+                stack.enter_context(hook.serving(record))
+            record.result = run(record)
+        return record.result
+
     def call(
         self,
         dest: WorkerInfo,
@@ -309,12 +361,11 @@ class Agent:
         extra: tuple[Any, ...] = (),
     ) -> Future[Any]:
         """Run ``func(*args, **kwargs)`` on ``dest``; ``extra`` fields follow the meta dict."""
-        meta: dict[str, Any] = {}
-        for hook in self._hooks:
-            hook.outgoing_meta(dest, meta)
+        record, on_result = self.prepare_call(dest, args, kwargs)
         name = getattr(func, "__qualname__", None) or repr(func)
         return self.send_request(
-            dest, kind, (func, args, kwargs, meta, *extra), timeout, description=name
+            dest, kind, (func, record.args, record.kwargs, record.meta, *extra), timeout,
+            description=name, on_result=on_result,
         )
 
     def _send(
@@ -379,19 +430,10 @@ class Agent:
 
     def _handle_call(self, request: IncomingRequest) -> Any:
         func, args, kwargs, meta = request.payload[:4]
-        with self.incoming_scope(request.sender, meta):
-            return run_user_function(func, args, kwargs)
-
-    def incoming_scope(
-        self, sender: WorkerInfo, meta: dict[str, Any]
-    ) -> AbstractContextManager[Any]:
-        """Enter every hook's scope for a call arriving from ``sender`` with ``meta``."""
-        if not self._hooks:
-            return nullcontext()
-        stack = ExitStack()
-        for hook in self._hooks:
-            stack.enter_context(hook.incoming_scope(sender, meta))
-        return stack
+        return self.serve(
+            request.sender, meta, args, kwargs,
+            lambda call: run_user_function(func, call.args, call.kwargs),
+        )
 
     # -- the I/O loop -------------------------------------------------------------------------
 

@@ -100,8 +100,10 @@ def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
     if fork_id is not None:
         ctx.add_fork(state, fork_id)
     try:
-        with agent.incoming_scope(request.sender, meta):
-            value = run_user_function(func, args, kwargs)
+        value = agent.serve(
+            request.sender, meta, args, kwargs,
+            lambda call: run_user_function(func, call.args, call.kwargs),
+        )
     except BaseException as exc:
         state.set_error(exc)
         _release_self_owner(ctx, rref_id, fork_id)
@@ -129,11 +131,9 @@ def _handle_fetch(agent: Agent, request: IncomingRequest) -> Any:
     rref_id, meta = request.payload
     ctx = rref_context(agent)
     state = ctx.local_states.get(rref_id) or ctx.get_or_create_owner(rref_id)
-    scope = agent.incoming_scope(request.sender, meta)
 
     def deliver(done: torch.futures.Future[Any]) -> Any:
-        with scope:
-            return done.value()
+        return agent.serve(request.sender, meta, (), {}, lambda call: done.value())
 
     return state.ready.then(deliver)
 

@@ -154,12 +154,10 @@ class RRef(Generic[T]):
             return self._state.wait(effective)  # type: ignore[no-any-return]
         if self._creation_error is not None:
             raise self._creation_error
-        meta: dict[str, Any] = {}
-        for hook in agent._hooks:
-            hook.outgoing_meta(self._owner, meta)
+        record, on_result = agent.prepare_call(self._owner, (), {})
         future = agent.send_request(
-            self._owner, MessageKind.RREF_FETCH, (self._rref_id, meta), timeout,
-            description=f"to_here() of {self}",
+            self._owner, MessageKind.RREF_FETCH, (self._rref_id, record.meta), timeout,
+            description=f"to_here() of {self}", on_result=on_result,
         )
         return future.wait()  # type: ignore[no-any-return]
 

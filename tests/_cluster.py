@@ -1,0 +1,95 @@
+"""Start real actorrpc worker processes for the tests.
+
+``python -m tests._cluster --rank R --world-size N --init-method URL`` joins the
+group as ``worker<R>`` and leaves when every member calls ``shutdown``. A
+watchdog ends the process if its parent (the pytest process) dies, so no worker
+outlives a crashed test run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def spawn_workers(
+    ranks: Sequence[int],
+    world_size: int,
+    init_method: str,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> list[subprocess.Popen[bytes]]:
+    """Start ``python -m tests._cluster`` for each rank; returns the processes."""
+    full_env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full_env.update(env or {})
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests._cluster", "--rank", str(rank), "--world-size",
+             str(world_size), "--init-method", init_method, *extra_args],
+            cwd=REPO_ROOT,
+            env=full_env,
+        )
+        for rank in ranks
+    ]
+
+
+def stop_workers(processes: Sequence[subprocess.Popen[bytes]], timeout: float = 30.0) -> list[int]:
+    """Wait for the workers to exit (killing stragglers); return their exit codes."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for process in processes:
+        try:
+            codes.append(process.wait(max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            codes.append(process.wait())
+    return codes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--init-method", required=True)
+    parser.add_argument("--rpc-timeout", type=float, default=60.0)
+    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--strict-leaks", action="store_true")
+    args = parser.parse_args()
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    sys.path.insert(0, REPO_ROOT)
+    import actorrpc as rpc
+
+    options = rpc.ZmqRpcBackendOptions(
+        init_method=args.init_method,
+        rpc_timeout=args.rpc_timeout,
+        num_worker_threads=args.threads,
+        strict_rref_leaks=args.strict_leaks,
+    )
+    rpc.init_rpc(f"worker{args.rank}", rank=args.rank, world_size=args.world_size,
+                 rpc_backend_options=options)
+    rpc.shutdown(timeout=0)
+
+
+if __name__ == "__main__":
+    main()
