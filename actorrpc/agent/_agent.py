@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import heapq
+import os
 import itertools
 import logging
 import queue
@@ -179,6 +180,10 @@ class Agent:
         self._members: dict[int, GroupMember] = {}
         self._by_name: dict[str, WorkerInfo] = {}
         self._infos: dict[int, WorkerInfo] = {}
+        self._last_seen: dict[int, float] = {}
+        self._pinging: set[int] = set()
+        self.dead_peers: dict[int, str] = {}
+        self._next_liveness_check = 0.0
         self._running = False
         self._io_thread: threading.Thread | None = None
         self._last_warning = 0.0
@@ -189,7 +194,7 @@ class Agent:
         )
         self.stats = {"calls_sent": 0, "requests_served": 0, "bytes_out": 0, "bytes_in": 0}
         self._pool = WorkerPool(options.num_worker_threads, f"actorrpc-{name}")
-        self.register_handler(MessageKind.CALL, self._handle_call)
+        self.register_handler(MessageKind.CALL, self._handle_call, inline=bool(os.environ.get("AR_INLINE")))
         self.register_handler(MessageKind.PING, lambda request: None, inline=True)
         for install in _plugins:
             install(self)
@@ -301,7 +306,7 @@ class Agent:
         message_id = next(self._message_ids)
         with pickling_for(dest.id):
             body, buffers = dumps(payload, "arguments")
-        future: Future[Any] = Future(f"{description or kind.name} on {dest.name}", self)
+        future: Future[Any] = Future(lambda: f"{description or kind.name} on {dest.name}", self)
         self._pending[message_id] = _PendingCall(future, dest, description, timeout, on_result)
         if timeout > 0:
             with self._deadline_lock:
@@ -374,6 +379,8 @@ class Agent:
         member = self._members.get(dest_rank)
         if member is None:
             raise PeerUnreachableError(f"worker {dest_rank} is not in the group")
+        if dest_rank in self.dead_peers and kind != MessageKind.PING:
+            raise PeerUnreachableError(self.dead_peers[dest_rank])
         header = encode_header(kind, len(buffers), self.rank, message_id)
         self._transport.link(member.identity, member.endpoint).send([header, body, *buffers])
         self.stats["bytes_out"] += len(body) + sum(b.nbytes for b in buffers)
@@ -448,6 +455,7 @@ class Agent:
                     fn, args = self._soon.get_nowait()
                     fn(*args)
                 self._expire_deadlines()
+                self._check_liveness()
             except BaseException:  # noqa: BLE001 - the loop must survive anything
                 _log.exception("%s: error in the I/O loop", self.name)
 
@@ -467,6 +475,58 @@ class Agent:
                     f"RPC ran for more than set timeout ({int(pending.timeout * 1000)} ms) and "
                     f"will now be marked with an error: {pending.description or 'call'} on "
                     f"{pending.dest!r}"
+                ))
+
+    def _check_liveness(self) -> None:
+        """PING silent peers that calls wait on; a PING left unanswered marks the peer dead."""
+        now = time.monotonic()
+        if now < self._next_liveness_check:
+            return
+        interval = self.options.liveness_interval
+        self._next_liveness_check = now + interval
+        waited_on = {pending.dest.id for pending in list(self._pending.values())}
+        for rank in waited_on - self._pinging - set(self.dead_peers) - {self.rank}:
+            if now - self._last_seen.get(rank, 0.0) < interval:
+                continue
+            self.probe(rank)
+
+    def probe(self, rank: int) -> None:
+        """Send a liveness PING to ``rank`` unless one is in flight or it is known dead."""
+        if rank in self._pinging or rank in self.dead_peers or rank == self.rank:
+            return
+        self._pinging.add(rank)
+        try:
+            ping = self.send_request(
+                self._infos[rank], MessageKind.PING, (), self.options.dead_peer_timeout,
+                description="liveness check",
+            )
+        except PeerUnreachableError as exc:
+            self._pinging.discard(rank)
+            self.declare_dead(rank, str(exc))
+            return
+        ping.add_done_callback(lambda done: self._on_ping_done(rank, done))
+
+    def _on_ping_done(self, rank: int, done: Future[Any]) -> None:
+        self._pinging.discard(rank)
+        try:
+            done.wait()
+        except RpcTimeoutError:
+            info = self._infos[rank]
+            self.declare_dead(rank, (
+                f"worker {info.name!r} (rank {rank}) is unreachable: it did not answer a "
+                f"liveness check within {self.options.dead_peer_timeout:.1f}s (it died or hung)"
+            ))
+        except Exception:  # noqa: BLE001 - any answer, even an error, proves it is alive
+            pass
+
+    def declare_dead(self, rank: int, reason: str) -> None:
+        """Fail every call waiting on ``rank``; later sends to it fail at once."""
+        _log.warning("%s: %s", self.name, reason)
+        self.dead_peers[rank] = reason
+        for message_id, pending in list(self._pending.items()):
+            if pending.dest.id == rank:
+                self._fail_pending(message_id, PeerUnreachableError(
+                    f"{pending.description or 'call'} on {pending.dest!r} failed: {reason}"
                 ))
 
     def _warn(self, what: str) -> None:
@@ -493,6 +553,10 @@ class Agent:
         if member is None or member.identity != identity:
             self._warn(f"dropped a message claiming to be from rank {header.sender}: unknown sender")
             return
+        self._last_seen[header.sender] = time.monotonic()
+        if header.sender in self.dead_peers:
+            _log.warning("%s: worker %s answers again", self.name, member.name)
+            del self.dead_peers[header.sender]
         self.stats["bytes_in"] += sum(len(f) for f in message[2:])
         frames = message[2:]
         is_response = header.kind in RESPONSE_KINDS
@@ -598,14 +662,23 @@ class Agent:
             barrier.arrive()
             if tag == "done" and self.rank != 0:
                 return
-            missing = barrier.wait(deadline)
-            if missing:
-                names = [self._infos[r].name for r in missing if r in self._infos]
+            missing = barrier.wait(deadline, self._dead_among)
+            alive = [r for r in missing if r not in self.dead_peers]
+            if alive:
+                names = [self._infos[r].name for r in alive if r in self._infos]
                 problems.append(
-                    f"workers {names} (ranks {missing}) did not reach shutdown ({tag}) "
+                    f"workers {names} (ranks {alive}) did not reach shutdown ({tag}) "
                     f"within {budget:.1f}s"
                 )
                 return
+        for rank, reason in sorted(self.dead_peers.items()):
+            problems.append(f"dead peer: {reason}")
+
+    def _dead_among(self, ranks: list[int]) -> list[int]:
+        """Of ``ranks``, those known dead; probe the others (called while a barrier waits)."""
+        for rank in ranks:
+            self.probe(rank)
+        return [rank for rank in ranks if rank in self.dead_peers]
 
     def _stop_threads(self) -> None:
         self._running = False

@@ -29,24 +29,29 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
     Also awaitable: ``await rpc.rpc_async(...)`` works in asyncio code.
     """
 
-    def __init__(self, description: str = "", agent: Any = None) -> None:
+    def __init__(self, description: Any = "", agent: Any = None) -> None:
         super().__init__()
         self._event = threading.Event()
-        self._description = description
+        self._description = description  # a str, or a callable that makes one when needed
         self._agent = agent
+
+    @property
+    def description(self) -> str:
+        text = self._description
+        return text() if callable(text) else str(text)
 
     def wait(self) -> T:
         if not self._event.is_set():
             agent = self._agent
             if agent is not None and threading.get_ident() == agent.io_thread_ident:
                 raise ActorRpcError(
-                    f"waiting on {self._description or 'a future'} from the RPC I/O thread would "
+                    f"waiting on {self.description or 'a future'} from the RPC I/O thread would "
                     "deadlock; use Future.then() instead of blocking inside a callback"
                 )
             while not self._event.wait(_LIVENESS_CHECK_INTERVAL):
                 if agent is not None and not agent.is_alive():
                     raise ActorRpcError(
-                        f"the RPC agent stopped before {self._description or 'the future'} completed"
+                        f"the RPC agent stopped before {self.description or 'the future'} completed"
                     )
         return super().wait()  # type: ignore[no-any-return]
 
@@ -65,7 +70,7 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
-        return f"<actorrpc.Future {self._description or ''} {state}>"
+        return f"<actorrpc.Future {self.description} {state}>"
 
 
 def complete(future: Future[Any], value: Any = None, error: BaseException | None = None) -> None:

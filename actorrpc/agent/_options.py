@@ -42,6 +42,10 @@ class ZmqRpcBackendOptions:
         num_worker_threads: most threads serving incoming calls; started lazily.
         init_timeout: seconds ``init_rpc`` may take to form the group.
         shutdown_timeout: seconds a graceful ``shutdown`` may take.
+        liveness_interval: a peer we wait on that has been silent this many
+            seconds gets an application-level PING.
+        dead_peer_timeout: a PING unanswered this long marks the peer dead:
+            every call waiting on it fails with :class:`PeerUnreachableError`.
         bind_host: interface the inbox binds to; ``None`` picks loopback when
             ``MASTER_ADDR`` is local, else all interfaces.
         advertise_host: address published to peers (defaults to ``bind_host``,
@@ -66,6 +70,8 @@ class ZmqRpcBackendOptions:
     num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS
     init_timeout: float = 60.0
     shutdown_timeout: float = 60.0
+    liveness_interval: float = 1.0
+    dead_peer_timeout: float = 5.0
     bind_host: str | None = None
     advertise_host: str | None = None
     secret: str | None = None

@@ -18,7 +18,7 @@ import os
 import pickle
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -164,12 +164,23 @@ class StoreBarrier:
         self._store.set(f"{self._tag}/{self._rank}", "1")
         self._store.add(self._tag, 1)
 
-    def wait(self, deadline: float) -> list[int]:
-        """Wait until everyone arrived; return the ranks still missing at the deadline."""
-        if _poll_until(lambda: int(self._store.add(self._tag, 0)) >= self._world_size, deadline):
-            return []
-        return [
-            r
-            for r in range(self._world_size)
-            if not self._store.check([f"{self._tag}/{r}"])
-        ]
+    def wait(
+        self, deadline: float, dead: Callable[[list[int]], Collection[int]] = lambda missing: ()
+    ) -> list[int]:
+        """Wait until everyone arrived; return the ranks still missing at the end.
+
+        ``dead(missing)`` names the missing ranks known to be dead; once only
+        dead ranks are missing, waiting for them stops early.
+        """
+
+        def done() -> bool:
+            if int(self._store.add(self._tag, 0)) >= self._world_size:
+                return True
+            missing = self.missing()
+            return bool(missing) and set(missing) <= set(dead(missing))
+
+        _poll_until(done, deadline)
+        return self.missing()
+
+    def missing(self) -> list[int]:
+        return [r for r in range(self._world_size) if not self._store.check([f"{self._tag}/{r}"])]

@@ -8,7 +8,10 @@ Invariants:
 * Importable functions and classes travel by reference (plain pickle). Those
   defined in ``__main__``, in a notebook cell, as lambdas or closures travel by
   value through dill; the receiver caches what it rebuilt by content, so one
-  definition maps to one object there and a re-defined one replaces it.
+  definition maps to one object there and a re-defined one replaces it. A
+  ``__main__`` definition that the receiver has too (same code) resolves to the
+  receiver's own object, so programs launched from one script keep torch's
+  by-reference semantics for their globals.
 * Upper layers (RRefs) add reducers by registration and read the thread-local
   :class:`PickleTarget` / :class:`UnpickleSource` to learn where bytes go or
   come from.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+import sys
 import threading
 import types
 import weakref
@@ -160,7 +164,9 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
 
 # --- by-value code -------------------------------------------------------------
 
-_by_value_cache: weakref.WeakKeyDictionary[Any, tuple[Any, bytes]] = weakref.WeakKeyDictionary()
+_by_value_cache: weakref.WeakKeyDictionary[Any, tuple[Any, bytes, bytes]] = (
+    weakref.WeakKeyDictionary()
+)
 _rebuilt_cache: OrderedDict[bytes, Any] = OrderedDict()
 _rebuilt_lock = threading.Lock()
 _REBUILT_CACHE_SIZE = 512
@@ -187,6 +193,32 @@ def _load_by_value(blob: bytes) -> Any:
     return obj
 
 
+def _code_digest(obj: Any) -> bytes:
+    """A fingerprint of a function's code (a class's: its name), to match definitions."""
+    code = getattr(obj, "__code__", None)
+    if code is None:
+        return getattr(obj, "__qualname__", "").encode()
+    text = repr((code.co_code, code.co_consts, code.co_names, code.co_varnames)).encode()
+    return hashlib.blake2b(text, digest_size=16).digest()
+
+
+def _load_main_or_value(qualname: str, digest: bytes, blob: bytes) -> Any:
+    """Prefer the receiver's own ``__main__`` definition when it is the same code.
+
+    Workers started from one script (``actorrpc launch``, torchrun) then use
+    their own globals, as with torch; a notebook's definitions, which the
+    workers lack, are rebuilt from the shipped bytes.
+    """
+    target: Any = sys.modules.get("__main__")
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            break
+    if target is not None and _code_digest(target) == digest:
+        return target
+    return _load_by_value(blob)
+
+
 def _reduce_by_value(obj: Any) -> Any:
     code = getattr(obj, "__code__", None)
     try:
@@ -194,12 +226,17 @@ def _reduce_by_value(obj: Any) -> Any:
     except TypeError:
         cached = None
     if cached is not None and cached[0] is code:
-        return _load_by_value, (cached[1],)
-    blob = dill.dumps(obj, protocol=5, recurse=True)
-    try:
-        _by_value_cache[obj] = (code, blob)
-    except TypeError:
-        pass
+        blob, digest = cached[1], cached[2]
+    else:
+        blob = dill.dumps(obj, protocol=5, recurse=True)
+        digest = _code_digest(obj)
+        try:
+            _by_value_cache[obj] = (code, blob, digest)
+        except TypeError:
+            pass
+    qualname = getattr(obj, "__qualname__", "")
+    if getattr(obj, "__module__", None) == "__main__" and "<" not in qualname:
+        return _load_main_or_value, (qualname, digest, blob)
     return _load_by_value, (blob,)
 
 
@@ -238,11 +275,38 @@ def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> str | None:
     return None
 
 
+class _ThreadPickler(threading.local):
+    """One reusable pickler per thread (creating one per message costs more than pickling)."""
+
+    def __init__(self) -> None:
+        self.stream = io.BytesIO()
+        self.buffers: list[pickle.PickleBuffer] = []
+        self.pickler = _WirePickler(self.stream, protocol=5, buffer_callback=self.buffers.append)
+        self.busy = False
+
+
+_thread_pickler = _ThreadPickler()
+
+
 def _dump(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
-    buffers: list[pickle.PickleBuffer] = []
-    stream = io.BytesIO()
-    _WirePickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
-    return stream.getvalue(), buffers
+    state = _thread_pickler
+    if state.busy:  # re-entered (a reducer pickling something): use a fresh pickler
+        buffers: list[pickle.PickleBuffer] = []
+        stream = io.BytesIO()
+        _WirePickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
+        return stream.getvalue(), buffers
+    state.busy = True
+    try:
+        state.pickler.dump(obj)
+        payload = state.stream.getvalue()
+        buffers = list(state.buffers)
+    finally:
+        state.stream.seek(0)
+        state.stream.truncate()
+        state.buffers.clear()
+        state.pickler.clear_memo()
+        state.busy = False
+    return payload, buffers
 
 
 def dumps(obj: Any, what: str = "object") -> tuple[bytes, list[memoryview]]:
