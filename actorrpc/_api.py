@@ -9,7 +9,6 @@ from typing import Any
 
 from .agent import (
     Agent,
-    BackendType,
     Future,
     WorkerInfo,
     coerce_options,
@@ -78,11 +77,14 @@ def init_rpc(
 
     Example::
 
-        >>> # worker0                                   # worker1
-        >>> rpc.init_rpc("worker0", rank=0, world_size=2)  # rpc.init_rpc("worker1", rank=1, world_size=2)
+        >>> # on worker1 (another process):
+        >>> rpc.init_rpc("worker1", rank=1, world_size=2)
+        >>> rpc.shutdown()
+        >>> # on worker0:
+        >>> rpc.init_rpc("worker0", rank=0, world_size=2)
         >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
         tensor([2., 2.])
-        >>> rpc.shutdown()                               # rpc.shutdown()
+        >>> rpc.shutdown()
     """
     validate_worker_name(name)
     if backend is not None and getattr(backend, "name", backend) not in _ACCEPTED_BACKENDS:
@@ -204,4 +206,3 @@ def rpc_sync(
         tensor([4., 4.])
     """
     return rpc_async(to, func, args, kwargs, timeout).wait()
-

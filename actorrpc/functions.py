@@ -1,4 +1,4 @@
-"""``actorrpc.functions``: decorators for functions run through RPC (as ``torch.distributed.rpc.functions``)."""
+"""``actorrpc.functions``: decorators for RPC functions (``torch.distributed.rpc.functions``)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,6 @@ Invariants:
 from __future__ import annotations
 
 import heapq
-import os
 import itertools
 import logging
 import queue
@@ -31,9 +30,8 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from contextlib import ExitStack
+from typing import Any
 
 import torch
 
@@ -50,11 +48,24 @@ from ..errors import (
 from ..protocol import RESPONSE_KINDS, MessageKind, decode_header, encode_header
 from ..serialization import dumps, loads, pickling_for, unpickling_from
 from ..transport import Transport
+from ._calls import (
+    CallHook,
+    CallRecord,
+    Failure,
+    Handler,
+    HandlerEntry,
+    IncomingRequest,
+    PendingCall,
+    outcome_of,
+    run_user_function,
+)
 from ._futures import Future, complete
+from ._liveness import LivenessMonitor
 from ._options import ZmqRpcBackendOptions
 from ._pool import WorkerPool
 from ._remote_exception import pack_exception, rebuild_exception
 from ._rendezvous import GroupMember, Rendezvous
+from ._shutdown import graceful_barriers
 from ._worker_info import WorkerInfo
 
 __all__ = [
@@ -70,60 +81,6 @@ __all__ = [
 _log = logging.getLogger("actorrpc.agent")
 _MAX_POLL = 0.05
 _WARN_INTERVAL = 5.0
-
-
-@dataclass
-class IncomingRequest:
-    """A decoded request handed to a registered handler."""
-
-    kind: MessageKind
-    sender: WorkerInfo
-    message_id: int
-    payload: Any
-
-
-Handler = Callable[[IncomingRequest], Any]
-
-
-@dataclass
-class CallRecord:
-    """One call as call hooks see it: on the caller before sending, on the callee while serving."""
-
-    peer: WorkerInfo
-    meta: dict[str, Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    result: Any = None
-
-
-class CallHook(Protocol):
-    """Plug-in point for layers that travel with calls (e.g. distributed autograd).
-
-    ``before_send`` runs on the caller; it may edit ``call.args``, ``call.kwargs``
-    and ``call.meta`` and may return a function applied to the reply's value.
-    ``serving`` is entered on the callee around the function; it may edit
-    ``call.args``/``call.kwargs`` on entry and ``call.result`` on exit.
-    """
-
-    def before_send(self, call: CallRecord) -> Callable[[Any], Any] | None: ...
-
-    def serving(self, call: CallRecord) -> AbstractContextManager[Any]: ...
-
-
-@dataclass
-class _Handler:
-    handler: Handler
-    inline: bool
-
-
-@dataclass
-class _PendingCall:
-    future: Future[Any]
-    dest: WorkerInfo
-    description: str
-    timeout: float
-    on_result: Callable[[Any], Any] | None = None
-    created: float = field(default_factory=time.monotonic)
 
 
 _plugins: list[Callable[[Agent], None]] = []
@@ -167,11 +124,11 @@ class Agent:
         self.info = WorkerInfo(name, rank)
         self.identity = f"{rank}:{secrets.token_hex(4)}".encode()
         self.io_thread_ident: int | None = None
-        self._handlers: dict[MessageKind, _Handler] = {}
+        self._handlers: dict[MessageKind, HandlerEntry] = {}
         self._hooks: list[CallHook] = []
         self._shutdown_hooks: list[Callable[[float], None]] = []
         self._close_hooks: list[Callable[[bool], None]] = []
-        self._pending: dict[int, _PendingCall] = {}
+        self._pending: dict[int, PendingCall] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._deadline_lock = threading.Lock()
         self._message_ids = itertools.count(1)
@@ -180,10 +137,7 @@ class Agent:
         self._members: dict[int, GroupMember] = {}
         self._by_name: dict[str, WorkerInfo] = {}
         self._infos: dict[int, WorkerInfo] = {}
-        self._last_seen: dict[int, float] = {}
-        self._pinging: set[int] = set()
-        self.dead_peers: dict[int, str] = {}
-        self._next_liveness_check = 0.0
+        self.liveness = LivenessMonitor(self)
         self._running = False
         self._io_thread: threading.Thread | None = None
         self._last_warning = 0.0
@@ -194,7 +148,7 @@ class Agent:
         )
         self.stats = {"calls_sent": 0, "requests_served": 0, "bytes_out": 0, "bytes_in": 0}
         self._pool = WorkerPool(options.num_worker_threads, f"actorrpc-{name}")
-        self.register_handler(MessageKind.CALL, self._handle_call, inline=bool(os.environ.get("AR_INLINE")))
+        self.register_handler(MessageKind.CALL, self._handle_call)
         self.register_handler(MessageKind.PING, lambda request: None, inline=True)
         for install in _plugins:
             install(self)
@@ -218,7 +172,7 @@ class Agent:
 
     def register_handler(self, kind: MessageKind, handler: Handler, inline: bool = False) -> None:
         """Route requests of ``kind`` to ``handler``; ``inline`` handlers must never block."""
-        self._handlers[kind] = _Handler(handler, inline)
+        self._handlers[kind] = HandlerEntry(handler, inline)
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the I/O thread soon; safe from ``__del__`` and any thread."""
@@ -307,7 +261,7 @@ class Agent:
         with pickling_for(dest.id):
             body, buffers = dumps(payload, "arguments")
         future: Future[Any] = Future(lambda: f"{description or kind.name} on {dest.name}", self)
-        self._pending[message_id] = _PendingCall(future, dest, description, timeout, on_result)
+        self._pending[message_id] = PendingCall(future, dest, description, timeout, on_result)
         if timeout > 0:
             with self._deadline_lock:
                 heapq.heappush(self._deadlines, (time.monotonic() + timeout, message_id))
@@ -369,8 +323,12 @@ class Agent:
         record, on_result = self.prepare_call(dest, args, kwargs)
         name = getattr(func, "__qualname__", None) or repr(func)
         return self.send_request(
-            dest, kind, (func, record.args, record.kwargs, record.meta, *extra), timeout,
-            description=name, on_result=on_result,
+            dest,
+            kind,
+            (func, record.args, record.kwargs, record.meta, *extra),
+            timeout,
+            description=name,
+            on_result=on_result,
         )
 
     def _send(
@@ -379,8 +337,9 @@ class Agent:
         member = self._members.get(dest_rank)
         if member is None:
             raise PeerUnreachableError(f"worker {dest_rank} is not in the group")
-        if dest_rank in self.dead_peers and kind != MessageKind.PING:
-            raise PeerUnreachableError(self.dead_peers[dest_rank])
+        dead = self.liveness.dead_peers
+        if dest_rank in dead and kind != MessageKind.PING:
+            raise PeerUnreachableError(dead[dest_rank])
         header = encode_header(kind, len(buffers), self.rank, message_id)
         self._transport.link(member.identity, member.endpoint).send([header, body, *buffers])
         self.stats["bytes_out"] += len(body) + sum(b.nbytes for b in buffers)
@@ -409,10 +368,10 @@ class Agent:
         try:
             if isinstance(outcome, torch._C.Future):
                 outcome.add_done_callback(
-                    lambda fut: self._finish_request(sender, message_id, _unwrap(fut))
+                    lambda fut: self._finish_request(sender, message_id, outcome_of(fut))
                 )
                 return
-            if isinstance(outcome, _Failure):
+            if isinstance(outcome, Failure):
                 self._reply_exception(sender, message_id, outcome.error)
             else:
                 self._reply(sender, message_id, outcome)
@@ -423,8 +382,14 @@ class Agent:
 
     # -- serving ------------------------------------------------------------------------------
 
-    def _serve(self, kind: MessageKind, sender: WorkerInfo, message_id: int, frames: list[Any],
-               entry: _Handler) -> None:
+    def _serve(
+        self,
+        kind: MessageKind,
+        sender: WorkerInfo,
+        message_id: int,
+        frames: list[Any],
+        entry: HandlerEntry,
+    ) -> None:
         try:
             with unpickling_from(sender.id) as source:
                 payload = loads(frames[0].buffer, [f.buffer for f in frames[1:]])
@@ -432,13 +397,16 @@ class Agent:
                 waiter.wait()
             outcome = entry.handler(IncomingRequest(kind, sender, message_id, payload))
         except BaseException as exc:  # noqa: BLE001 - every failure is answered
-            outcome = _Failure(exc)
+            outcome = Failure(exc)
         self._finish_request(sender.id, message_id, outcome)
 
     def _handle_call(self, request: IncomingRequest) -> Any:
         func, args, kwargs, meta = request.payload[:4]
         return self.serve(
-            request.sender, meta, args, kwargs,
+            request.sender,
+            meta,
+            args,
+            kwargs,
             lambda call: run_user_function(func, call.args, call.kwargs),
         )
 
@@ -455,7 +423,7 @@ class Agent:
                     fn, args = self._soon.get_nowait()
                     fn(*args)
                 self._expire_deadlines()
-                self._check_liveness()
+                self.liveness.check()
             except BaseException:  # noqa: BLE001 - the loop must survive anything
                 _log.exception("%s: error in the I/O loop", self.name)
 
@@ -471,70 +439,25 @@ class Agent:
                 _, message_id = heapq.heappop(self._deadlines)
             pending = self._pending.pop(message_id, None)
             if pending is not None:
-                complete(pending.future, error=RpcTimeoutError(
-                    f"RPC ran for more than set timeout ({int(pending.timeout * 1000)} ms) and "
-                    f"will now be marked with an error: {pending.description or 'call'} on "
-                    f"{pending.dest!r}"
-                ))
-
-    def _check_liveness(self) -> None:
-        """PING silent peers that calls wait on; a PING left unanswered marks the peer dead."""
-        now = time.monotonic()
-        if now < self._next_liveness_check:
-            return
-        interval = self.options.liveness_interval
-        self._next_liveness_check = now + interval
-        waited_on = {pending.dest.id for pending in list(self._pending.values())}
-        for rank in waited_on - self._pinging - set(self.dead_peers) - {self.rank}:
-            if now - self._last_seen.get(rank, 0.0) < interval:
-                continue
-            self.probe(rank)
-
-    def probe(self, rank: int) -> None:
-        """Send a liveness PING to ``rank`` unless one is in flight or it is known dead."""
-        if rank in self._pinging or rank in self.dead_peers or rank == self.rank:
-            return
-        self._pinging.add(rank)
-        try:
-            ping = self.send_request(
-                self._infos[rank], MessageKind.PING, (), self.options.dead_peer_timeout,
-                description="liveness check",
-            )
-        except PeerUnreachableError as exc:
-            self._pinging.discard(rank)
-            self.declare_dead(rank, str(exc))
-            return
-        ping.add_done_callback(lambda done: self._on_ping_done(rank, done))
-
-    def _on_ping_done(self, rank: int, done: Future[Any]) -> None:
-        self._pinging.discard(rank)
-        try:
-            done.wait()
-        except RpcTimeoutError:
-            info = self._infos[rank]
-            self.declare_dead(rank, (
-                f"worker {info.name!r} (rank {rank}) is unreachable: it did not answer a "
-                f"liveness check within {self.options.dead_peer_timeout:.1f}s (it died or hung)"
-            ))
-        except Exception:  # noqa: BLE001 - any answer, even an error, proves it is alive
-            pass
-
-    def declare_dead(self, rank: int, reason: str) -> None:
-        """Fail every call waiting on ``rank``; later sends to it fail at once."""
-        _log.warning("%s: %s", self.name, reason)
-        self.dead_peers[rank] = reason
-        for message_id, pending in list(self._pending.items()):
-            if pending.dest.id == rank:
-                self._fail_pending(message_id, PeerUnreachableError(
-                    f"{pending.description or 'call'} on {pending.dest!r} failed: {reason}"
-                ))
+                complete(
+                    pending.future,
+                    error=RpcTimeoutError(
+                        f"RPC ran for more than set timeout ({int(pending.timeout * 1000)} ms) and "
+                        f"will now be marked with an error: {pending.description or 'call'} on "
+                        f"{pending.dest!r}"
+                    ),
+                )
 
     def _warn(self, what: str) -> None:
         now = time.monotonic()
         if now - self._last_warning < _WARN_INTERVAL:
             self._suppressed_warnings += 1
             return
-        extra = f" ({self._suppressed_warnings} similar suppressed)" if self._suppressed_warnings else ""
+        extra = (
+            f" ({self._suppressed_warnings} similar suppressed)"
+            if self._suppressed_warnings
+            else ""
+        )
         self._last_warning = now
         self._suppressed_warnings = 0
         _log.warning("%s: %s%s", self.name, what, extra)
@@ -551,12 +474,11 @@ class Agent:
             return
         member = self._members.get(header.sender)
         if member is None or member.identity != identity:
-            self._warn(f"dropped a message claiming to be from rank {header.sender}: unknown sender")
+            self._warn(
+                f"dropped a message claiming to be from rank {header.sender}: unknown sender"
+            )
             return
-        self._last_seen[header.sender] = time.monotonic()
-        if header.sender in self.dead_peers:
-            _log.warning("%s: worker %s answers again", self.name, member.name)
-            del self.dead_peers[header.sender]
+        self.liveness.heard_from(header.sender, member.name)
         self.stats["bytes_in"] += sum(len(f) for f in message[2:])
         frames = message[2:]
         is_response = header.kind in RESPONSE_KINDS
@@ -575,9 +497,13 @@ class Agent:
         sender = self._infos[header.sender]
         entry = self._handlers.get(header.kind)
         if entry is None:
-            self._reply_exception(header.sender, header.message_id, ProtocolError(
-                f"worker {self.name!r} has no handler for message kind {header.kind.name}"
-            ))
+            self._reply_exception(
+                header.sender,
+                header.message_id,
+                ProtocolError(
+                    f"worker {self.name!r} has no handler for message kind {header.kind.name}"
+                ),
+            )
             return
         with self._inflight_lock:
             self._inflight += 1
@@ -592,7 +518,9 @@ class Agent:
         if pending is not None:
             complete(pending.future, error=error)
 
-    def _on_response(self, kind: MessageKind, sender: int, message_id: int, frames: list[Any]) -> None:
+    def _on_response(
+        self, kind: MessageKind, sender: int, message_id: int, frames: list[Any]
+    ) -> None:
         pending = self._pending.pop(message_id, None)
         if pending is None:
             return  # a late reply to a call that already timed out
@@ -600,9 +528,12 @@ class Agent:
             with unpickling_from(sender):
                 value = loads(frames[0].buffer, [f.buffer for f in frames[1:]])
         except DeserializationError as exc:
-            complete(pending.future, error=DeserializationError(
-                f"the reply to {pending.description or 'a call'} from {pending.dest!r}: {exc}"
-            ))
+            complete(
+                pending.future,
+                error=DeserializationError(
+                    f"the reply to {pending.description or 'a call'} from {pending.dest!r}: {exc}"
+                ),
+            )
             return
         if kind == MessageKind.EXCEPTION:
             complete(pending.future, error=rebuild_exception(value))
@@ -640,45 +571,12 @@ class Agent:
         problems: list[str] = []
         if graceful:
             try:
-                self._graceful_barriers(deadline, budget, problems)
+                graceful_barriers(self, deadline, budget, problems)
             except Exception as exc:  # noqa: BLE001 - report, then still close
                 problems.append(f"{type(exc).__name__}: {exc}")
         self._close(graceful)
         if problems:
             raise ShutdownError(f"shutdown of {self.name!r} was not clean: " + "; ".join(problems))
-
-    def _graceful_barriers(self, deadline: float, budget: float, problems: list[str]) -> None:
-        """arrived -> shutdown hooks -> idle -> done; only rank 0 (the store host) waits at done."""
-        for tag in ("arrived", "idle", "done"):
-            if tag == "idle":
-                for hook in self._shutdown_hooks:
-                    try:
-                        hook(deadline)
-                    except Exception as exc:  # noqa: BLE001 - report every problem
-                        problems.append(str(exc))
-            if tag != "arrived" and not self.wait_idle(deadline):
-                problems.append("calls still pending: " + ", ".join(self.pending_destinations()))
-            barrier = self._rendezvous.barrier(f"shutdown/{tag}")
-            barrier.arrive()
-            if tag == "done" and self.rank != 0:
-                return
-            missing = barrier.wait(deadline, self._dead_among)
-            alive = [r for r in missing if r not in self.dead_peers]
-            if alive:
-                names = [self._infos[r].name for r in alive if r in self._infos]
-                problems.append(
-                    f"workers {names} (ranks {alive}) did not reach shutdown ({tag}) "
-                    f"within {budget:.1f}s"
-                )
-                return
-        for rank, reason in sorted(self.dead_peers.items()):
-            problems.append(f"dead peer: {reason}")
-
-    def _dead_among(self, ranks: list[int]) -> list[int]:
-        """Of ``ranks``, those known dead; probe the others (called while a barrier waits)."""
-        for rank in ranks:
-            self.probe(rank)
-        return [rank for rank in ranks if rank in self.dead_peers]
 
     def _stop_threads(self) -> None:
         self._running = False
@@ -696,39 +594,3 @@ class Agent:
         self._rendezvous.close()
         for hook in self._close_hooks:
             hook(graceful)
-
-
-class _Failure:
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-def _unwrap(future: torch.futures.Future) -> Any:
-    try:
-        return future.wait()
-    except BaseException as exc:  # noqa: BLE001
-        return _Failure(exc)
-
-
-def run_user_function(func: Any, args: Any, kwargs: Any) -> Any:
-    """Call a user function; an ``async_execution`` one must return a Future."""
-    if not callable(func):
-        raise TypeError(f"{func!r} is not callable")
-    result = func(*(args or ()), **(kwargs or {}))
-    if getattr(func, "_wrapped_async_rpc_function", None) is not None or getattr(
-        func, "_actorrpc_async_execution", False
-    ):
-        if not isinstance(result, torch._C.Future):
-            raise TypeError(
-                f"async_execution function {getattr(func, '__qualname__', func)!r} must return "
-                f"a torch.futures.Future, got {type(result).__name__}"
-            )
-        return result
-    if isinstance(result, torch._C.Future):
-        raise TypeError(
-            f"{getattr(func, '__qualname__', func)!r} returned a Future; decorate it with "
-            "@rpc.functions.async_execution to reply with the Future's value"
-        )
-    return result

@@ -74,7 +74,7 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
 
 
 def complete(future: Future[Any], value: Any = None, error: BaseException | None = None) -> None:
-    """Complete ``future`` once; later completions (e.g. a late reply after a timeout) are ignored."""
+    """Complete ``future`` once; later completions (a late reply after a timeout) are ignored."""
     if future._event.is_set():
         return
     future._event.set()
@@ -87,7 +87,9 @@ def complete(future: Future[Any], value: Any = None, error: BaseException | None
         pass  # already completed by a racing path
 
 
-def chain_into(source: torch.futures.Future, target: Future[Any], transform: Callable[[Any], Any]) -> None:
+def chain_into(
+    source: torch.futures.Future, target: Future[Any], transform: Callable[[Any], Any]
+) -> None:
     """Complete ``target`` with ``transform(source.wait())`` once ``source`` is done."""
 
     def done(fut: torch.futures.Future) -> None:

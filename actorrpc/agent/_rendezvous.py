@@ -78,7 +78,10 @@ class Rendezvous:
         try:
             store, _, _ = next(
                 dist.rendezvous(
-                    init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+                    init_method,
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timedelta(seconds=timeout),
                 )
             )
         except StopIteration as exc:

@@ -1,4 +1,4 @@
-"""Serialization layer: pickle protocol 5 with out-of-band tensor buffers, dill for code by value."""
+"""Serialization: pickle protocol 5, out-of-band tensor buffers, dill for code by value."""
 
 from ._pickling import (
     PickleTarget,

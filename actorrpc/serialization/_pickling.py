@@ -271,7 +271,8 @@ def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> str | None:
         try:
             _dump(value)
         except Exception:
-            return _find_unpicklable(value, sub_path, depth + 1) or f"{sub_path} = {_describe(value)}"
+            inner = _find_unpicklable(value, sub_path, depth + 1)
+            return inner or f"{sub_path} = {_describe(value)}"
     return None
 
 

@@ -1,0 +1,117 @@
+"""Types shared by the agent and the layers that plug into it, and running user functions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..protocol import MessageKind
+from ._futures import Future
+from ._worker_info import WorkerInfo
+
+__all__ = [
+    "CallHook",
+    "CallRecord",
+    "Failure",
+    "Handler",
+    "HandlerEntry",
+    "IncomingRequest",
+    "PendingCall",
+    "outcome_of",
+    "run_user_function",
+]
+
+
+@dataclass
+class IncomingRequest:
+    """A decoded request handed to a registered handler."""
+
+    kind: MessageKind
+    sender: WorkerInfo
+    message_id: int
+    payload: Any
+
+
+Handler = Callable[[IncomingRequest], Any]
+
+
+@dataclass
+class CallRecord:
+    """One call as call hooks see it: on the caller before sending, on the callee while serving."""
+
+    peer: WorkerInfo
+    meta: dict[str, Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    result: Any = None
+
+
+class CallHook(Protocol):
+    """Plug-in point for layers that travel with calls (e.g. distributed autograd).
+
+    ``before_send`` runs on the caller; it may edit ``call.args``, ``call.kwargs``
+    and ``call.meta`` and may return a function applied to the reply's value.
+    ``serving`` is entered on the callee around the function; it may edit
+    ``call.args``/``call.kwargs`` on entry and ``call.result`` on exit.
+    """
+
+    def before_send(self, call: CallRecord) -> Callable[[Any], Any] | None: ...
+
+    def serving(self, call: CallRecord) -> AbstractContextManager[Any]: ...
+
+
+@dataclass
+class HandlerEntry:
+    handler: Handler
+    inline: bool
+
+
+@dataclass
+class PendingCall:
+    future: Future[Any]
+    dest: WorkerInfo
+    description: str
+    timeout: float
+    on_result: Callable[[Any], Any] | None = None
+    created: float = field(default_factory=time.monotonic)
+
+
+class Failure:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def outcome_of(future: torch.futures.Future) -> Any:
+    try:
+        return future.wait()
+    except BaseException as exc:  # noqa: BLE001
+        return Failure(exc)
+
+
+def run_user_function(func: Any, args: Any, kwargs: Any) -> Any:
+    """Call a user function; an ``async_execution`` one must return a Future."""
+    if not callable(func):
+        raise TypeError(f"{func!r} is not callable")
+    result = func(*(args or ()), **(kwargs or {}))
+    if getattr(func, "_wrapped_async_rpc_function", None) is not None or getattr(
+        func, "_actorrpc_async_execution", False
+    ):
+        if not isinstance(result, torch._C.Future):
+            raise TypeError(
+                f"async_execution function {getattr(func, '__qualname__', func)!r} must return "
+                f"a torch.futures.Future, got {type(result).__name__}"
+            )
+        return result
+    if isinstance(result, torch._C.Future):
+        raise TypeError(
+            f"{getattr(func, '__qualname__', func)!r} returned a Future; decorate it with "
+            "@rpc.functions.async_execution to reply with the Future's value"
+        )
+    return result

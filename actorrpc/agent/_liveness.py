@@ -1,0 +1,111 @@
+"""Failure detection: application-level PINGs to the peers that calls wait on.
+
+ZeroMQ heartbeats notice a dead *connection*; a hung process keeps its
+connection up. So a peer that a call waits on and that has been silent for
+``liveness_interval`` gets a PING, which its I/O thread answers inline; a PING
+unanswered for ``dead_peer_timeout`` marks the peer dead, failing every call
+that waits on it with :class:`PeerUnreachableError` naming it. Any later
+message from the peer revives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..errors import PeerUnreachableError, RpcTimeoutError
+from ..protocol import MessageKind
+from ._futures import Future
+
+if TYPE_CHECKING:
+    from ._agent import Agent
+
+__all__ = ["LivenessMonitor"]
+
+_log = logging.getLogger("actorrpc.agent")
+
+
+class LivenessMonitor:
+    """Tracks when each peer was last heard from and which peers are dead."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        self.last_seen: dict[int, float] = {}
+        self.dead_peers: dict[int, str] = {}
+        self._pinging: set[int] = set()
+        self._next_check = 0.0
+
+    def heard_from(self, rank: int, name: str) -> None:
+        self.last_seen[rank] = time.monotonic()
+        if rank in self.dead_peers:
+            _log.warning("%s: worker %s answers again", self._agent.name, name)
+            del self.dead_peers[rank]
+
+    def dead_among(self, ranks: list[int]) -> list[int]:
+        """Of ``ranks``, those known dead; probe the others (used while a barrier waits)."""
+        for rank in ranks:
+            self.probe(rank)
+        return [rank for rank in ranks if rank in self.dead_peers]
+
+    def check(self) -> None:
+        """PING silent peers that calls wait on; a PING left unanswered marks the peer dead."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        interval = self._agent.options.liveness_interval
+        self._next_check = now + interval
+        waited_on = {pending.dest.id for pending in list(self._agent._pending.values())}
+        for rank in waited_on - self._pinging - set(self.dead_peers) - {self._agent.rank}:
+            if now - self.last_seen.get(rank, 0.0) < interval:
+                continue
+            self.probe(rank)
+
+    def probe(self, rank: int) -> None:
+        """Send a liveness PING to ``rank`` unless one is in flight or it is known dead."""
+        if rank in self._pinging or rank in self.dead_peers or rank == self._agent.rank:
+            return
+        self._pinging.add(rank)
+        try:
+            ping = self._agent.send_request(
+                self._agent._infos[rank],
+                MessageKind.PING,
+                (),
+                self._agent.options.dead_peer_timeout,
+                description="liveness check",
+            )
+        except PeerUnreachableError as exc:
+            self._pinging.discard(rank)
+            self.declare_dead(rank, str(exc))
+            return
+        ping.add_done_callback(lambda done: self._on_ping_done(rank, done))
+
+    def _on_ping_done(self, rank: int, done: Future[Any]) -> None:
+        self._pinging.discard(rank)
+        try:
+            done.wait()
+        except RpcTimeoutError:
+            info = self._agent._infos[rank]
+            self.declare_dead(
+                rank,
+                (
+                    f"worker {info.name!r} (rank {rank}) is unreachable: it did not answer a "
+                    f"liveness check within {self._agent.options.dead_peer_timeout:.1f}s "
+                    "(it died or hung)"
+                ),
+            )
+        except Exception:  # noqa: BLE001 - any answer, even an error, proves it is alive
+            pass
+
+    def declare_dead(self, rank: int, reason: str) -> None:
+        """Fail every call waiting on ``rank``; later sends to it fail at once."""
+        _log.warning("%s: %s", self._agent.name, reason)
+        self.dead_peers[rank] = reason
+        for message_id, pending in list(self._agent._pending.items()):
+            if pending.dest.id == rank:
+                self._agent._fail_pending(
+                    message_id,
+                    PeerUnreachableError(
+                        f"{pending.description or 'call'} on {pending.dest!r} failed: {reason}"
+                    ),
+                )

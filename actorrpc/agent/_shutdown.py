@@ -1,0 +1,50 @@
+"""Graceful shutdown: three store barriers that make sure no work is left anywhere.
+
+1. ``arrived``: every worker's program has called ``shutdown``.
+2. (shutdown hooks run: RRef users are deleted and owners drain.)
+   ``idle``: every worker was idle (no pending call, no request in flight)
+   when it arrived. Work a peer starts later is caused by a peer that has not
+   arrived yet, and that peer waits for it before arriving.
+3. ``done``: everyone is past ``idle``; rank 0, which hosts the store, waits for
+   this before closing it.
+
+A rank that never arrives is reported by name once the deadline passes; a rank
+known dead is reported and not waited for.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._agent import Agent
+
+__all__ = ["graceful_barriers"]
+
+
+def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: list[str]) -> None:
+    """Run the barriers; append what went wrong to ``problems``."""
+    for tag in ("arrived", "idle", "done"):
+        if tag == "idle":
+            for hook in agent._shutdown_hooks:
+                try:
+                    hook(deadline)
+                except Exception as exc:  # noqa: BLE001 - report every problem
+                    problems.append(str(exc))
+        if tag != "arrived" and not agent.wait_idle(deadline):
+            problems.append("calls still pending: " + ", ".join(agent.pending_destinations()))
+        barrier = agent._rendezvous.barrier(f"shutdown/{tag}")
+        barrier.arrive()
+        if tag == "done" and agent.rank != 0:
+            return
+        missing = barrier.wait(deadline, agent.liveness.dead_among)
+        alive = [r for r in missing if r not in agent.liveness.dead_peers]
+        if alive:
+            names = [agent._infos[r].name for r in alive if r in agent._infos]
+            problems.append(
+                f"workers {names} (ranks {alive}) did not reach shutdown ({tag}) "
+                f"within {budget:.1f}s"
+            )
+            return
+    for _rank, reason in sorted(agent.liveness.dead_peers.items()):
+        problems.append(f"dead peer: {reason}")
