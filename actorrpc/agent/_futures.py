@@ -61,8 +61,12 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
 
+        def resolve() -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
         def wake(_: Any) -> None:
-            loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+            loop.call_soon_threadsafe(resolve)
 
         self.add_done_callback(wake)
         yield from waiter.__await__()

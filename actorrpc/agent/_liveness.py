@@ -14,9 +14,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..errors import PeerUnreachableError, RpcTimeoutError
 from ..protocol import MessageKind
-from ._futures import Future
 
 if TYPE_CHECKING:
     from ._agent import Agent
@@ -80,7 +81,7 @@ class LivenessMonitor:
             return
         ping.add_done_callback(lambda done: self._on_ping_done(rank, done))
 
-    def _on_ping_done(self, rank: int, done: Future[Any]) -> None:
+    def _on_ping_done(self, rank: int, done: torch.futures.Future[Any]) -> None:
         self._pinging.discard(rank)
         try:
             done.wait()

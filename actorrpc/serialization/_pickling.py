@@ -148,7 +148,8 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         detached = detached.contiguous()  # a gappy view: send only its elements
         span = detached.numel()
     flat = torch.as_strided(detached, (span,), (1,), detached.storage_offset())
-    data = pickle.PickleBuffer(flat.view(torch.uint8).numpy() if span else b"")
+    raw: Any = flat.view(torch.uint8).numpy() if span else b""
+    data = pickle.PickleBuffer(raw)
     return (
         _rebuild_tensor,
         (
