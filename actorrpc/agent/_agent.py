@@ -64,7 +64,7 @@ from ._liveness import LivenessMonitor
 from ._options import ZmqRpcBackendOptions
 from ._pool import WorkerPool
 from ._remote_exception import pack_exception, rebuild_exception
-from ._rendezvous import GroupMember, Rendezvous
+from ._rendezvous import GroupMember, Rendezvous, choose_addresses
 from ._shutdown import graceful_barriers
 from ._worker_info import WorkerInfo
 
@@ -157,9 +157,11 @@ class Agent:
             secret = None
             if options.security != "none":
                 secret = self._rendezvous.group_secret(options.resolved_secret())
+            bind_host, advertise_host = choose_addresses(options)
             self._transport = Transport(
                 self.identity,
-                bind_host=options.bind_host or "127.0.0.1",
+                bind_host=bind_host,
+                advertise_host=advertise_host,
                 secret=secret,
                 security=options.security,
                 send_timeout=options.rpc_timeout or 0,

@@ -14,10 +14,13 @@ Shutdown barriers use the same key space (:class:`StoreBarrier`).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import pickle
 import secrets
+import socket
 import time
+import urllib.parse
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,7 +30,7 @@ import torch.distributed as dist
 
 from ..errors import RendezvousError
 
-__all__ = ["GroupMember", "Rendezvous", "StoreBarrier"]
+__all__ = ["GroupMember", "Rendezvous", "StoreBarrier", "choose_addresses", "master_address"]
 
 _POLL_INTERVAL = 0.002
 _MAX_POLL_INTERVAL = 0.05
@@ -50,6 +53,55 @@ def _poll_until(condition: Callable[[], bool], deadline: float) -> bool:
         time.sleep(interval)
         interval = min(interval * 2, _MAX_POLL_INTERVAL)
     return True
+
+
+def master_address(init_method: str) -> tuple[str, int] | None:
+    """The rendezvous host and port named by ``init_method`` (``env://`` or ``tcp://``)."""
+    if init_method.startswith("env://"):
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    elif init_method.startswith("tcp://"):
+        parsed = urllib.parse.urlparse(init_method)
+        host, port = parsed.hostname, str(parsed.port) if parsed.port else None
+    else:
+        return None
+    if not host or not port or not port.isdigit():
+        return None
+    return host, int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def choose_addresses(options: Any) -> tuple[str, str]:
+    """Where the inbox binds and which address peers are told.
+
+    A group whose master is on loopback is on one host: bind to loopback. Else
+    bind to every interface and advertise the address this host uses to reach
+    the master. ``bind_host``/``advertise_host`` options override both.
+    """
+    master = master_address(options.init_method)
+    if options.bind_host:
+        bind = options.bind_host
+    elif master is None or _is_loopback(master[0]):
+        bind = "127.0.0.1"
+    else:
+        bind = "0.0.0.0"
+    if options.advertise_host:
+        return bind, options.advertise_host
+    if bind not in ("0.0.0.0", "*"):
+        return bind, bind
+    if master is not None:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((master[0], master[1]))
+                return bind, str(probe.getsockname()[0])
+        except OSError:
+            pass
+    return bind, socket.gethostname()
 
 
 def _describe_init_method(init_method: str) -> str:

@@ -162,9 +162,9 @@ def fetch_type(rref: RRef[Any], timeout: float = -1.0) -> type:
 
 
 def _backward_on_owner(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
-    from .. import autograd
+    from ..autograd import backward
 
-    autograd.backward(context_id, [rref.local_value()], retain_graph=retain_graph)
+    backward(context_id, [rref.local_value()], retain_graph=retain_graph)
 
 
 def rref_backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:

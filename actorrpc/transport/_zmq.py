@@ -90,7 +90,9 @@ class Transport:
 
     Args:
         identity: the routing id this worker's DEALERs present to peers.
-        bind_host: interface for the inbox (``127.0.0.1`` keeps it on loopback).
+        bind_host: interface for the inbox (``127.0.0.1`` keeps it on loopback,
+            ``0.0.0.0`` listens on every interface).
+        advertise_host: the address peers connect to (default: ``bind_host``).
         secret: the group secret; required unless ``security == "none"``.
         security: ``"plain"`` (authenticated), ``"curve"`` (authenticated and
             encrypted) or ``"none"``.
@@ -102,6 +104,7 @@ class Transport:
         self,
         identity: bytes,
         bind_host: str = "127.0.0.1",
+        advertise_host: str | None = None,
         secret: str | None = None,
         security: str = "plain",
         send_timeout: float = 60.0,
@@ -129,11 +132,12 @@ class Transport:
             self._inbox.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._inbox.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self._configure_server(self._inbox)
-            port = self._inbox.bind_to_random_port(f"tcp://{bind_host}")
+            wildcard = "*" if bind_host in ("0.0.0.0", "*", "") else bind_host
+            port = self._inbox.bind_to_random_port(f"tcp://{wildcard}")
         except zmq.ZMQError as exc:
             self.close()
             raise ActorRpcError(f"cannot bind the inbox on {bind_host}: {exc}") from exc
-        self.endpoint = f"tcp://{bind_host}:{port}"
+        self.endpoint = f"tcp://{advertise_host or bind_host}:{port}"
         self._wake_lock = threading.Lock()
         self._wake_rx = self._context.socket(zmq.PAIR)
         self._wake_rx.bind(f"inproc://wake-{id(self)}")
