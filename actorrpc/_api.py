@@ -50,7 +50,7 @@ def _env_int(variable: str, what: str) -> int:
 
 
 def init_rpc(
-    name: str,
+    name: str | None,
     backend: Any = None,
     rank: int = -1,
     world_size: int | None = None,
@@ -60,7 +60,8 @@ def init_rpc(
 
     Args:
         name: this worker's unique name: letters, digits, ``_``, ``-``, ``:``,
-            shorter than 128 characters.
+            shorter than 128 characters. ``None`` takes ``ACTORRPC_WORKER_NAME``
+            (set by ``actorrpc launch --names``), else ``worker<rank>``.
         backend: ``None`` or a :class:`BackendType` (``TENSORPIPE`` and
             ``PROCESS_GROUP`` are accepted aliases of the ZeroMQ backend).
         rank: this worker's unique rank; ``-1`` reads ``RANK``.
@@ -86,12 +87,15 @@ def init_rpc(
         tensor([2., 2.])
         >>> rpc.shutdown()
     """
-    validate_worker_name(name)
+    if name is not None:
+        validate_worker_name(name)
+    if rank is None or rank < 0:
+        rank = _env_int("RANK", "rank")
+    if name is None:
+        name = validate_worker_name(os.environ.get("ACTORRPC_WORKER_NAME") or f"worker{rank}")
     if backend is not None and getattr(backend, "name", backend) not in _ACCEPTED_BACKENDS:
         raise TypeError(f"backend must be an actorrpc.BackendType, got {backend!r}")
     options = coerce_options(rpc_backend_options)
-    if rank is None or rank < 0:
-        rank = _env_int("RANK", "rank")
     if world_size is None:
         world_size = _env_int("WORLD_SIZE", "world_size")
     if world_size < 1 or not 0 <= rank < world_size:

@@ -62,7 +62,7 @@ from ._calls import (
 from ._futures import Future, complete
 from ._liveness import LivenessMonitor
 from ._options import ZmqRpcBackendOptions
-from ._pool import WorkerPool
+from ._pool import STALL_SECONDS, WorkerPool
 from ._remote_exception import pack_exception, rebuild_exception
 from ._rendezvous import GroupMember, Rendezvous, choose_addresses
 from ._shutdown import graceful_barriers
@@ -426,13 +426,15 @@ class Agent:
                     fn(*args)
                 self._expire_deadlines()
                 self.liveness.check()
+                self._pool.maintain()
             except BaseException:  # noqa: BLE001 - the loop must survive anything
                 _log.exception("%s: error in the I/O loop", self.name)
 
     def _poll_timeout(self) -> float:
+        limit = _MAX_POLL if self._pool.idle_or_empty() else STALL_SECONDS
         if not self._deadlines:
-            return _MAX_POLL
-        return max(0.0, min(_MAX_POLL, self._deadlines[0][0] - time.monotonic()))
+            return limit
+        return max(0.0, min(limit, self._deadlines[0][0] - time.monotonic()))
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()

@@ -8,6 +8,7 @@ fails instead of blocking forever when the agent that should complete it dies.
 
 from __future__ import annotations
 
+import _thread
 import threading
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
@@ -31,7 +32,9 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
 
     def __init__(self, description: Any = "", agent: Any = None) -> None:
         super().__init__()
-        self._event = threading.Event()
+        self._done = False
+        self._gate = _thread.allocate_lock()  # released once, when the future completes
+        self._gate.acquire()
         self._description = description  # a str, or a callable that makes one when needed
         self._agent = agent
 
@@ -41,18 +44,19 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
         return text() if callable(text) else str(text)
 
     def wait(self) -> T:
-        if not self._event.is_set():
+        if not self._done:
             agent = self._agent
             if agent is not None and threading.get_ident() == agent.io_thread_ident:
                 raise ActorRpcError(
                     f"waiting on {self.description or 'a future'} from the RPC I/O thread would "
                     "deadlock; use Future.then() instead of blocking inside a callback"
                 )
-            while not self._event.wait(_LIVENESS_CHECK_INTERVAL):
+            while not self._gate.acquire(timeout=_LIVENESS_CHECK_INTERVAL):
                 if agent is not None and not agent.is_alive():
                     raise ActorRpcError(
                         f"the RPC agent stopped before {self.description or 'the future'} completed"
                     )
+            self._gate.release()  # let any other waiter through
         return super().wait()  # type: ignore[no-any-return]
 
     def __await__(self) -> Generator[Any, None, T]:
@@ -79,16 +83,17 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
 
 def complete(future: Future[Any], value: Any = None, error: BaseException | None = None) -> None:
     """Complete ``future`` once; later completions (a late reply after a timeout) are ignored."""
-    if future._event.is_set():
+    if future._done:
         return
-    future._event.set()
+    future._done = True
     try:
         if error is not None:
             future.set_exception(error)
         else:
             future.set_result(value)
     except RuntimeError:
-        pass  # already completed by a racing path
+        return  # a racing path completed it first and opened the gate
+    future._gate.release()
 
 
 def chain_into(

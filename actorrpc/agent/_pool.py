@@ -1,7 +1,12 @@
 """The pool of threads that run user functions and handlers.
 
-Threads start lazily, one at a time, when work arrives and none is idle, so an
-idle worker holds no more threads than it ever needed at once.
+Threads start lazily, one at a time, when work waits and no thread is idle and
+none has started a task for ``STALL_SECONDS`` (so the running ones are blocked
+or slow, not merely busy with a burst of short calls). An idle worker holds no
+more threads than it ever needed, and a burst of tiny calls is served by a few
+threads instead of many threads fighting over the GIL. ``maintain()``, called
+by the I/O loop, grows the pool when every thread is blocked and nothing new
+arrives, so queued work never starves.
 """
 
 from __future__ import annotations
@@ -9,13 +14,15 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["WorkerPool"]
+__all__ = ["STALL_SECONDS", "WorkerPool"]
 
 _log = logging.getLogger("actorrpc.agent")
 _Task = tuple[Callable[..., Any], tuple[Any, ...]]
+STALL_SECONDS = 0.002
 
 
 class WorkerPool:
@@ -27,19 +34,34 @@ class WorkerPool:
         self._idle = 0
         self._lock = threading.Lock()
         self._closed = False
+        self._last_start = 0.0
         self.busy = 0
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         self._queue.put((fn, args))
         if self._idle == 0:
-            with self._lock:
-                if self._idle == 0 and len(self._threads) < self._max_threads and not self._closed:
-                    thread = threading.Thread(
-                        target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True
-                    )
-                    self._threads.append(thread)
-                    self._idle += 1
-                    thread.start()
+            self._grow(time.monotonic())
+
+    def idle_or_empty(self) -> bool:
+        return bool(self._idle) or self._queue.empty()
+
+    def maintain(self) -> None:
+        """Start a thread if work has been waiting while every thread is stuck."""
+        if self._idle == 0 and not self._queue.empty():
+            self._grow(time.monotonic())
+
+    def _grow(self, now: float) -> None:
+        with self._lock:
+            if self._idle or len(self._threads) >= self._max_threads or self._closed:
+                return
+            if self._threads and now - self._last_start < STALL_SECONDS:
+                return
+            thread = threading.Thread(
+                target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True
+            )
+            self._threads.append(thread)
+            self._idle += 1
+            thread.start()
 
     @property
     def size(self) -> int:
@@ -54,6 +76,7 @@ class WorkerPool:
             with self._lock:
                 self._idle -= 1
                 self.busy += 1
+                self._last_start = time.monotonic()
             fn, args = task
             try:
                 fn(*args)

@@ -27,8 +27,7 @@ import threading
 import types
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import dill
@@ -81,24 +80,38 @@ def current_unpickle_source() -> UnpickleSource | None:
     return getattr(_local, "source", None)
 
 
-@contextmanager
-def pickling_for(worker_id: int) -> Iterator[PickleTarget]:
-    previous = current_pickle_target()
-    _local.target = target = PickleTarget(worker_id)
-    try:
-        yield target
-    finally:
-        _local.target = previous
+class pickling_for:  # noqa: N801 - used like a function: ``with pickling_for(rank):``
+    """Context manager: the bytes pickled on this thread go to worker ``worker_id``."""
+
+    __slots__ = ("_previous", "target")
+
+    def __init__(self, worker_id: int) -> None:
+        self.target = PickleTarget(worker_id)
+
+    def __enter__(self) -> PickleTarget:
+        self._previous = getattr(_local, "target", None)
+        _local.target = self.target
+        return self.target
+
+    def __exit__(self, *exc_info: object) -> None:
+        _local.target = self._previous
 
 
-@contextmanager
-def unpickling_from(worker_id: int) -> Iterator[UnpickleSource]:
-    previous = current_unpickle_source()
-    _local.source = source = UnpickleSource(worker_id)
-    try:
-        yield source
-    finally:
-        _local.source = previous
+class unpickling_from:  # noqa: N801 - used like a function: ``with unpickling_from(rank):``
+    """Context manager: the bytes unpickled on this thread come from worker ``worker_id``."""
+
+    __slots__ = ("_previous", "source")
+
+    def __init__(self, worker_id: int) -> None:
+        self.source = UnpickleSource(worker_id)
+
+    def __enter__(self) -> UnpickleSource:
+        self._previous = getattr(_local, "source", None)
+        _local.source = self.source
+        return self.source
+
+    def __exit__(self, *exc_info: object) -> None:
+        _local.source = self._previous
 
 
 # --- tensors -----------------------------------------------------------------

@@ -225,12 +225,12 @@ class Transport:
                 pass
         if self._inbox not in events:
             return messages
-        recv = self._inbox.recv_multipart
-        try:
-            for _ in range(_RECV_BATCH):
-                messages.append(recv(zmq.NOBLOCK, copy=False))
-        except zmq.Again:
-            pass
+        inbox = self._inbox
+        recv = inbox.recv_multipart
+        for _ in range(_RECV_BATCH):
+            messages.append(recv(copy=False))
+            if not inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
         return messages
 
     def wake(self) -> None:
