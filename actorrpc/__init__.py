@@ -6,7 +6,7 @@ Torch-specific names are accepted aliases: ``TensorPipeRpcBackendOptions`` is
 ZeroMQ backend.
 """
 
-from . import functions
+from . import autograd, functions
 from ._api import (
     get_rpc_timeout,
     get_worker_info,
@@ -77,6 +77,7 @@ __all__ = [
     "UnknownWorkerError",
     "WorkerInfo",
     "ZmqRpcBackendOptions",
+    "autograd",
     "functions",
     "get_rpc_timeout",
     "get_rref_debug_info",

@@ -216,7 +216,7 @@ def _code_digest(obj: Any) -> bytes:
     return hashlib.blake2b(text, digest_size=16).digest()
 
 
-def _load_main_or_value(qualname: str, digest: bytes, blob: bytes) -> Any:
+def _load_main_or_value(qualname: str, digest: bytes, blob: bytes | None, error: str = "") -> Any:
     """Prefer the receiver's own ``__main__`` definition when it is the same code.
 
     Workers started from one script (``actorrpc launch``, torchrun) then use
@@ -230,6 +230,11 @@ def _load_main_or_value(qualname: str, digest: bytes, blob: bytes) -> Any:
             break
     if target is not None and _code_digest(target) == digest:
         return target
+    if blob is None:
+        raise DeserializationError(
+            f"{qualname!r} from the caller's __main__ is not defined here with the same code, "
+            f"and it could not be shipped by value: {error}"
+        )
     return _load_by_value(blob)
 
 
@@ -239,17 +244,24 @@ def _reduce_by_value(obj: Any) -> Any:
         cached = _by_value_cache.get(obj)
     except TypeError:
         cached = None
+    qualname = getattr(obj, "__qualname__", "")
+    from_main = getattr(obj, "__module__", None) == "__main__" and "<" not in qualname
     if cached is not None and cached[0] is code:
         blob, digest = cached[1], cached[2]
     else:
-        blob = dill.dumps(obj, protocol=5, recurse=True)
         digest = _code_digest(obj)
+        try:
+            blob = dill.dumps(obj, protocol=5, recurse=True)
+        except Exception as exc:
+            if not from_main:
+                raise
+            # the receiver may still have it (same script); otherwise it raises there
+            return _load_main_or_value, (qualname, digest, None, f"{type(exc).__name__}: {exc}")
         try:
             _by_value_cache[obj] = (code, blob, digest)
         except TypeError:
             pass
-    qualname = getattr(obj, "__qualname__", "")
-    if getattr(obj, "__module__", None) == "__main__" and "<" not in qualname:
+    if from_main:
         return _load_main_or_value, (qualname, digest, blob)
     return _load_by_value, (blob,)
 

@@ -1,0 +1,124 @@
+"""``DistributedOptimizer``: one local optimizer per parameter owner, stepped by context.
+
+Invariants:
+
+* The parameters of one optimizer all live on its owner; the caller holds only
+  RRefs to them.
+* ``step(context_id)`` sets, on each owner, ``param.grad`` to the gradient the
+  distributed autograd context holds for that parameter (``None`` when it holds
+  none, so the optimizer leaves the parameter alone) and steps, under a lock
+  shared by every local optimizer of that worker: concurrent steps from
+  several trainers are serialized per worker, as the original design promises.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from ..agent import current_agent
+from ..autograd import _current_context, get_gradients
+from ..errors import InvalidArgumentError
+from ..rref import RRef, remote
+
+__all__ = ["DistributedOptimizer"]
+
+
+class _LocalOptimizer:
+    """Lives on a parameter owner; wraps one ``torch.optim`` optimizer."""
+
+    step_lock = threading.Lock()  # one per worker process: steps are serialized per worker
+
+    def __init__(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        local_params_rref: list[RRef[torch.Tensor]],
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        self._params = [rref.local_value() for rref in local_params_rref]
+        self.optimizer = optimizer_class(self._params, *args, **kwargs)
+
+    def step(self, autograd_context_id: int) -> None:
+        gradients = get_gradients(autograd_context_id)
+        with _LocalOptimizer.step_lock:
+            for param in self._params:
+                param.grad = gradients.get(param)
+            self.optimizer.step()
+            for param in self._params:
+                param.grad = None
+
+
+def _local_step(optimizer_rref: RRef[_LocalOptimizer], autograd_context_id: int) -> None:
+    optimizer_rref.local_value().step(autograd_context_id)
+
+
+def _wait_all(futures: list[Any]) -> None:
+    """Wait for every future; re-raise the first error (each names its worker)."""
+    errors = []
+    for future in futures:
+        try:
+            future.wait()
+        except Exception as exc:  # noqa: BLE001 - collected, the first is raised
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+class DistributedOptimizer:
+    """Optimizes parameters that live on several workers, from gradients of one context.
+
+    Args:
+        optimizer_class: any ``torch.optim.Optimizer`` subclass.
+        params_rref: RRefs to the parameters (e.g. from ``RemoteModule.remote_parameters()``).
+        *args, **kwargs: passed to ``optimizer_class`` on every owner.
+
+    Example::
+
+        >>> # on worker0, with worker1 owning a module
+        >>> import actorrpc.autograd as dist_autograd
+        >>> from actorrpc.optim import DistributedOptimizer
+        >>> with dist_autograd.context() as context_id:
+        ...     loss = remote_module.forward(x).sum()
+        ...     dist_autograd.backward(context_id, [loss])
+        ...     params = remote_module.remote_parameters()
+        ...     opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.05)
+        ...     opt.step(context_id)
+    """
+
+    def __init__(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        params_rref: list[RRef[torch.Tensor]],
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        by_owner: dict[Any, list[RRef[torch.Tensor]]] = defaultdict(list)
+        for param in params_rref:
+            if not isinstance(param, RRef):
+                raise InvalidArgumentError(
+                    f"params_rref must hold RRefs to parameters, got {type(param).__name__}"
+                )
+            by_owner[param.owner()].append(param)
+        self.remote_optimizers: list[RRef[_LocalOptimizer]] = [
+            remote(owner, _LocalOptimizer, (optimizer_class, params, *args), kwargs)
+            for owner, params in by_owner.items()
+        ]
+        _wait_all([rref._get_future() for rref in self.remote_optimizers])
+
+    def step(self, context_id: int | None = None) -> None:
+        """Apply the gradients of ``context_id`` (default: the current context) everywhere.
+
+        Owners step concurrently; returns when all are done; the first error,
+        naming its worker, is raised.
+        """
+        if context_id is None:
+            context_id = _current_context().context_id
+        agent = current_agent()
+        _wait_all([
+            agent.call(rref.owner(), _local_step, (rref, context_id), {})
+            for rref in self.remote_optimizers
+        ])
