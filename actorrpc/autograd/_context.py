@@ -1,0 +1,267 @@
+"""Distributed autograd contexts: ids, per-worker storage, the thread-local current context.
+
+A context collects everything one distributed forward/backward pass leaves on
+one worker: the send and recv functions recorded for its RPCs, the workers it
+exchanged messages with, and the gradients accumulated for this worker's leaf
+tensors.
+
+Invariants:
+
+* Ids (contexts, autograd messages, backward passes) are ``(rank << 48) |
+  counter``: unique across the group without coordination.
+* A context's tables only grow until :meth:`DistAutogradContext.release`, which
+  drops every reference it holds to the autograd graph (and so frees it).
+* ``grads`` maps a leaf tensor (by identity) to a tensor owned by the context;
+  later passes add into that same tensor in place, so a dict returned by
+  ``get_gradients`` sees later accumulation (torch's behaviour).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import DistAutogradError
+
+__all__ = [
+    "ContextStore",
+    "DistAutogradContext",
+    "IdGenerator",
+    "RecvFunction",
+    "SendFunction",
+    "current_context_id",
+    "set_current_context_id",
+]
+
+ID_BITS = 48
+ID_MASK = (1 << ID_BITS) - 1
+MAX_RANK = (1 << 16) - 1
+
+_GRAPH_FREED = (
+    "Trying to backward through the graph a second time (or directly access saved tensors after "
+    "they have already been freed). Saved intermediate values of the graph are freed when you "
+    "call .backward() or autograd.grad(). Specify retain_graph=True if you need to backward "
+    "through the graph a second time or if you need to access saved tensors after calling "
+    "backward."
+)
+
+
+class IdGenerator:
+    """Yields ``(rank << 48) | n`` for n = 0, 1, 2, ... (thread-safe)."""
+
+    def __init__(self, rank: int) -> None:
+        if not 0 <= rank <= MAX_RANK:
+            raise DistAutogradError(f"distributed autograd supports ranks up to {MAX_RANK}, got {rank}")
+        self._base = rank << ID_BITS
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            n = next(self._counter)
+        if n > ID_MASK:
+            raise DistAutogradError("this worker ran out of distributed autograd ids")
+        return self._base | n
+
+    @property
+    def max_id(self) -> int:
+        return self._base | ID_MASK
+
+
+@dataclass
+class SendFunction:
+    """Where tensors requiring grad left this worker in one message.
+
+    ``aliases`` are the outputs of ``SendRpc`` applied to those tensors when the
+    message was sent; their shared ``grad_fn`` (a ``SendRpcBackward`` node) has
+    edges to the tensors' graph as it was at that moment. They are private, so
+    the user cannot modify them in place.
+    """
+
+    message_id: int
+    dest: int  # rank holding the matching recv function
+    aliases: tuple[torch.Tensor, ...]
+    reach: Any = None  # cached _functions.Reach of the node (the graph below never changes)
+
+    @property
+    def node(self) -> Any:
+        return self.aliases[0].grad_fn
+
+
+@dataclass
+class RecvFunction:
+    """Where tensors requiring grad arrived on this worker in one message."""
+
+    message_id: int
+    sender: int  # rank holding the matching send function
+    node: Any  # the RecvRpcBackward node, grad_fn of the received tensors
+    num_outputs: int
+
+
+@dataclass
+class DistAutogradContext:
+    """One context's state on one worker (torch's ``DistAutogradContext``)."""
+
+    context_id: int
+    send_functions: dict[int, SendFunction] = field(default_factory=dict)
+    recv_functions: dict[int, RecvFunction] = field(default_factory=dict)
+    known_workers: set[int] = field(default_factory=set)
+    grads: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    # start point of a local pass (a root node or ("send", message_id)) -> the pass
+    # id that ran it without retain_graph; later passes may not run it again.
+    spent: dict[Any, int] = field(default_factory=dict)
+    released: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    # -- torch-compatible private accessors ---------------------------------------------
+
+    def _context_id(self) -> int:
+        return self.context_id
+
+    def _send_functions(self) -> dict[int, Any]:
+        """Message id -> ``SendRpcBackward`` node."""
+        with self.lock:
+            return {mid: send.node for mid, send in self.send_functions.items()}
+
+    def _recv_functions(self) -> dict[int, Any]:
+        """Message id -> ``RecvRpcBackward`` node."""
+        with self.lock:
+            return {mid: recv.node for mid, recv in self.recv_functions.items()}
+
+    def _known_worker_ids(self) -> set[int]:
+        with self.lock:
+            return set(self.known_workers)
+
+    # -- recording ------------------------------------------------------------------------
+
+    def add_known_worker(self, rank: int) -> None:
+        with self.lock:
+            self.known_workers.add(rank)
+
+    def add_send(self, send: SendFunction) -> None:
+        with self.lock:
+            self.send_functions[send.message_id] = send
+
+    def add_recv(self, recv: RecvFunction) -> None:
+        with self.lock:
+            self.recv_functions[recv.message_id] = recv
+            self.known_workers.add(recv.sender)
+
+    def get_send(self, message_id: int) -> SendFunction | None:
+        with self.lock:
+            return self.send_functions.get(message_id)
+
+    # -- backward -------------------------------------------------------------------------
+
+    def claim(self, keys: list[Any], pass_id: int, retain_graph: bool) -> None:
+        """Check that no start point in ``keys`` was consumed by another pass; consume them.
+
+        Passes always retain the real graph internally (several messages of one
+        pass may cross the same subgraph), so freeing is emulated here: a start
+        point run without ``retain_graph`` cannot be run by a later pass.
+        """
+        with self.lock:
+            for key in keys:
+                owner = self.spent.get(key)
+                if owner is not None and owner != pass_id:
+                    raise DistAutogradError(_GRAPH_FREED)
+            if not retain_graph:
+                for key in keys:
+                    self.spent[key] = pass_id
+
+    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add ``grad`` into the context's gradient of ``leaf`` (never into ``leaf.grad``)."""
+        with self.lock:
+            if self.released:
+                return
+            existing = self.grads.get(leaf)
+            if existing is None:
+                # A copy: ``grad`` may alias a received buffer or a caller's tensor.
+                self.grads[leaf] = grad.detach().clone()
+            elif existing.is_sparse and not grad.is_sparse:
+                self.grads[leaf] = existing + grad  # dense result; rare path
+            else:
+                existing.add_(grad)
+
+    def gradients(self) -> dict[torch.Tensor, torch.Tensor]:
+        with self.lock:
+            return dict(self.grads)
+
+    def release(self) -> None:
+        """Drop every reference to the graph and the gradients."""
+        with self.lock:
+            self.released = True
+            self.send_functions.clear()
+            self.recv_functions.clear()
+            self.grads.clear()
+            self.spent.clear()
+
+
+class ContextStore:
+    """The contexts of one worker, by id."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.context_ids = IdGenerator(rank)
+        self.message_ids = IdGenerator(rank)  # autograd messages and backward passes
+        self._contexts: dict[int, DistAutogradContext] = {}
+        self._lock = threading.Lock()
+
+    def create(self) -> DistAutogradContext:
+        ctx = DistAutogradContext(self.context_ids.next())
+        with self._lock:
+            self._contexts[ctx.context_id] = ctx
+        return ctx
+
+    def get_or_create(self, context_id: int) -> DistAutogradContext:
+        with self._lock:
+            ctx = self._contexts.get(context_id)
+            if ctx is None:
+                ctx = self._contexts[context_id] = DistAutogradContext(context_id)
+            return ctx
+
+    def get(self, context_id: int) -> DistAutogradContext | None:
+        with self._lock:
+            return self._contexts.get(context_id)
+
+    def retrieve(self, context_id: int) -> DistAutogradContext:
+        ctx = self.get(context_id)
+        if ctx is None:
+            raise DistAutogradError(f"Could not find autograd context with id: {context_id}")
+        return ctx
+
+    def release(self, context_id: int) -> DistAutogradContext | None:
+        """Remove and release the context; ``None`` if it is not here (idempotent)."""
+        with self._lock:
+            ctx = self._contexts.pop(context_id, None)
+        if ctx is not None:
+            ctx.release()
+        return ctx
+
+    def all(self) -> list[DistAutogradContext]:
+        with self._lock:
+            return list(self._contexts.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            contexts = list(self._contexts.values())
+            self._contexts.clear()
+        for ctx in contexts:
+            ctx.release()
+
+
+# The current context is per thread (as in torch); it holds an id, not the object,
+# so a stale id after shutdown simply finds no context.
+_local = threading.local()
+
+
+def current_context_id() -> int | None:
+    return getattr(_local, "context_id", None)
+
+
+def set_current_context_id(context_id: int | None) -> None:
+    _local.context_id = context_id

@@ -1,0 +1,428 @@
+"""Recording the distributed graph on RPCs, and the message-driven backward traversal.
+
+Forward (a call hook on every RPC made inside a context):
+
+* The caller puts the context id in the call's meta. If some argument requires
+  grad it records a send function (``SendRpcBackward`` over those tensors) under
+  a fresh autograd message id, also put in meta. It always allocates a response
+  message id too.
+* The callee gets or creates the context, makes it current while the function
+  runs (nested RPCs carry it), and gives the received tensors requiring grad a
+  ``RecvRpcBackward`` grad_fn keyed by the caller's message id. If the result
+  holds tensors requiring grad it records a send function under the response id;
+  the caller's reply transform gives the same tensors a recv function under that
+  id. (The result itself is not wrapped: ``remote()`` stores it as the RRef value,
+  and a ``to_here()`` fetch then records its own pair, keyed by the fetch's id.)
+
+Backward is a message-driven graph traversal keyed by context id:
+
+1. The initiator runs ``torch.autograd.grad`` from the roots over its local graph
+   towards (a) its leaf tensors and (b) the output edges of the recv nodes it
+   reaches. Leaf gradients are added into the context; ``.grad`` is never written.
+2. For each recv node that got a gradient it sends ``AUTOGRAD_BACKWARD(context_id,
+   message_id, grads, retain_graph, pass_id)`` to the worker holding the matching
+   send function.
+3. That worker runs the same local pass from the send function's aliases with the
+   received gradients, sends further messages for the recv nodes it reaches, and
+   replies when all of them have replied (its handler returns a Future, so no
+   pool thread waits: cycles such as worker0 -> worker1 -> worker0 cannot
+   deadlock).
+4. The initiator's ``backward`` returns when all its messages were answered, which
+   transitively covers the whole graph; the first error anywhere is raised there,
+   naming the worker(s) it came through.
+
+Each message triggers its own local pass; by linearity the sum over passes is the
+gradient. Messages leave only from recv nodes a pass actually reached with a
+gradient, so an RPC output that does not contribute to the loss never gets a
+message and nothing waits for one: torch FAST mode's hang on unused send
+functions (test_backward_unused_send_function) cannot happen.
+
+Local passes always retain the graph (two messages of one pass may cross the same
+subgraph); ``retain_graph=False`` is emulated per start point (a root node or a
+send function): a later pass that starts there raises torch's "Trying to backward
+through the graph a second time" error. The graph is freed when the context is
+released.
+
+Cleanup: leaving a context releases it locally and sends ``AUTOGRAD_CLEANUP`` to
+every worker it exchanged messages with; each releases its copy and forwards the
+message to its own known workers (idempotent, so it terminates), replying once
+those replies arrived.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from ..agent import Agent, CallRecord, IncomingRequest
+from ..errors import DistAutogradError
+from ..protocol import MessageKind
+from ._context import (
+    ContextStore,
+    DistAutogradContext,
+    RecvFunction,
+    SendFunction,
+    current_context_id,
+    set_current_context_id,
+)
+from ._functions import (
+    Reach,
+    find_grad_tensors,
+    make_recv_outputs,
+    make_send_aliases,
+    reach_from,
+    recv_tag,
+    replace_tensors,
+)
+
+__all__ = ["AutogradEngine", "engine_of", "install"]
+
+_log = logging.getLogger("actorrpc.autograd")
+
+KEY_CONTEXT = "autograd_context_id"
+KEY_MESSAGE = "autograd_message_id"
+KEY_RESPONSE = "autograd_response_id"
+_EXTENSION = "autograd"
+
+
+def _gather(futures: list[torch.futures.Future], errors_matter: bool = True) -> torch.futures.Future:
+    """A Future completed when all ``futures`` are; it fails with the first error if any.
+
+    Completion happens in the last child's callback (often on the I/O thread); it
+    never waits.
+    """
+    result: torch.futures.Future = torch.futures.Future()
+    remaining = [len(futures)]
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def done(future: torch.futures.Future) -> None:
+        try:
+            future.wait()  # already complete: returns or raises at once
+        except BaseException as exc:  # noqa: BLE001 - collected, reported below
+            errors.append(exc)
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if not last:
+            return
+        if errors and errors_matter:
+            result.set_exception(errors[0])
+        else:
+            for exc in errors:
+                _log.warning("distributed autograd cleanup: %s", exc)
+            result.set_result(None)
+
+    if not futures:
+        result.set_result(None)
+    for future in futures:
+        future.add_done_callback(done)
+    return result
+
+
+def _failed(exc: BaseException) -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_exception(exc)
+    return future
+
+
+def _then(future: torch.futures.Future, fn: Callable[[Any], Any]) -> torch.futures.Future:
+    """``future.then`` keeping exception types (torch's then() turns them into RuntimeError)."""
+    result: torch.futures.Future = torch.futures.Future()
+
+    def done(source: torch.futures.Future) -> None:
+        try:
+            value = fn(source.wait())
+        except BaseException as exc:  # noqa: BLE001 - goes to the caller
+            result.set_exception(exc)
+            return
+        result.set_result(value)
+
+    future.add_done_callback(done)
+    return result
+
+
+class AutogradEngine:
+    """Distributed autograd on one agent: its contexts, call hook and message handlers."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.store = ContextStore(agent.rank)
+        self.closed = False
+        self._cleanups: list[torch.futures.Future] = []
+        self._cleanups_lock = threading.Lock()
+        self._passes = 0  # backward() calls in progress on this worker
+        self._passes_lock = threading.Lock()
+
+    # -- the call hook (forward recording) ----------------------------------------------------
+
+    def before_send(self, call: CallRecord) -> Callable[[Any], Any] | None:
+        context_id = current_context_id()
+        if context_id is None:
+            return None
+        ctx = self.store.get(context_id)
+        if ctx is None:
+            return None  # an id left over from an agent that was shut down
+        call.meta[KEY_CONTEXT] = context_id
+        peer = call.peer.id
+        if peer != self.agent.rank:
+            ctx.add_known_worker(peer)
+        if not torch.is_grad_enabled():
+            return None  # under no_grad nothing is recorded (torch records anyway, #31937)
+        tensors = find_grad_tensors(call.args, call.kwargs)
+        if tensors:
+            message_id = self.store.message_ids.next()
+            ctx.add_send(SendFunction(message_id, peer, make_send_aliases(tensors)))
+            call.meta[KEY_MESSAGE] = message_id
+        response_id = self.store.message_ids.next()
+        call.meta[KEY_RESPONSE] = response_id
+
+        def on_reply(value: Any) -> Any:
+            received = find_grad_tensors(value)
+            if not received:
+                return value
+            target = self.store.get(context_id)
+            if target is None:
+                return value  # the context was left before the reply came
+            return self._attach_recv(target, response_id, peer, value, received)
+
+        return on_reply
+
+    @contextmanager
+    def serving(self, call: CallRecord) -> Iterator[None]:
+        context_id = call.meta.get(KEY_CONTEXT)
+        if context_id is None or self.closed:
+            yield
+            return
+        ctx = self.store.get_or_create(context_id)
+        caller = call.peer.id
+        if caller != self.agent.rank:
+            ctx.add_known_worker(caller)
+        previous = current_context_id()
+        set_current_context_id(context_id)
+        try:
+            message_id = call.meta.get(KEY_MESSAGE)
+            if message_id is not None:
+                received = find_grad_tensors(call.args, call.kwargs)
+                if received:
+                    call.args, call.kwargs = self._attach_recv(
+                        ctx, message_id, caller, (call.args, call.kwargs), received
+                    )
+            yield
+            response_id = call.meta.get(KEY_RESPONSE)
+            if response_id is not None:
+                if isinstance(call.result, torch._C.Future):  # async_execution
+
+                    def record(value: Any) -> Any:
+                        self._record_response(ctx, response_id, caller, value)
+                        return value
+
+                    call.result = _then(call.result, record)
+                else:
+                    self._record_response(ctx, response_id, caller, call.result)
+        finally:
+            set_current_context_id(previous)
+
+    def _record_response(self, ctx: DistAutogradContext, response_id: int, caller: int,
+                         value: Any) -> None:
+        tensors = find_grad_tensors(value)
+        if tensors:
+            ctx.add_send(SendFunction(response_id, caller, make_send_aliases(tensors)))
+
+    def _attach_recv(self, ctx: DistAutogradContext, message_id: int, sender: int, value: Any,
+                     received: list[torch.Tensor]) -> Any:
+        outputs, node = make_recv_outputs(received, ctx.context_id, message_id, sender)
+        ctx.add_recv(RecvFunction(message_id, sender, node, len(outputs)))
+        mapping = {id(t): out for t, out in zip(received, outputs)}
+        return replace_tensors(value, mapping)
+
+    # -- backward ----------------------------------------------------------------------------
+
+    def backward(self, context_id: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
+        """Run a distributed backward pass from ``roots``; returns when every worker is done."""
+        ctx = self.store.retrieve(context_id)
+        pass_id = self.store.message_ids.next()
+        nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
+        reach = reach_from(nodes, [r for r in roots if r.grad_fn is None])
+        grad_outputs = [torch.ones_like(r, memory_format=torch.preserve_format) for r in roots]
+        with self._passes_lock:
+            self._passes += 1
+        try:
+            futures = self._local_pass(ctx, nodes, list(roots), grad_outputs, reach,
+                                       retain_graph, pass_id)
+            errors: list[BaseException] = []
+            for future in futures:
+                try:
+                    future.wait()
+                except BaseException as exc:  # noqa: BLE001 - wait for all, raise the first
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+        finally:
+            with self._passes_lock:
+                self._passes -= 1
+
+    def _local_pass(
+        self,
+        ctx: DistAutogradContext,
+        start: list[Any],
+        outputs: list[torch.Tensor],
+        grad_outputs: list[torch.Tensor],
+        reach: Reach,
+        retain_graph: bool,
+        pass_id: int,
+    ) -> list[torch.futures.Future]:
+        """Backpropagate over this worker's graph; return the futures of the messages sent."""
+        ctx.claim(start, pass_id, retain_graph)
+        inputs: list[Any] = list(reach.leaves)
+        tags = [recv_tag(node) for node in reach.recvs]
+        for node, tag in zip(reach.recvs, tags):
+            inputs.extend(GradientEdge(node, i) for i in range(tag[3]))  # type: ignore[index]
+        if not inputs:
+            return []
+        # retain_graph=True always: another message of this pass may cross this subgraph.
+        grads = torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True,
+                                    allow_unused=True)
+        for leaf, grad in zip(reach.leaves, grads):
+            if grad is not None:
+                ctx.accumulate(leaf, grad)
+        futures: list[torch.futures.Future] = []
+        offset = len(reach.leaves)
+        for tag in tags:
+            context_id, message_id, sender, count = tag  # type: ignore[misc]
+            part = list(grads[offset:offset + count])
+            offset += count
+            if all(g is None for g in part):
+                continue  # not on a path from the roots: no message
+            payload = (context_id, message_id, part, retain_graph, pass_id)
+            try:
+                futures.append(self.agent.send_request(
+                    self.agent.resolve(sender), MessageKind.AUTOGRAD_BACKWARD, payload,
+                    description=f"distributed backward (context {context_id})",
+                ))
+            except BaseException as exc:  # noqa: BLE001 - reported with the others
+                futures.append(_failed(exc))
+        return futures
+
+    def handle_backward(self, request: IncomingRequest) -> Any:
+        """AUTOGRAD_BACKWARD: continue the pass from one of this worker's send functions."""
+        context_id, message_id, grads, retain_graph, pass_id = request.payload
+        ctx = self.store.retrieve(context_id)
+        send = ctx.get_send(message_id)
+        if send is None:
+            raise DistAutogradError(
+                f"autograd context {context_id} on {self.agent.name!r} has no send function "
+                f"for message {message_id}"
+            )
+        if len(grads) != len(send.aliases):
+            raise DistAutogradError(
+                f"message {message_id} carries {len(grads)} gradients for {len(send.aliases)} tensors"
+            )
+        pairs = [(a, g) for a, g in zip(send.aliases, grads) if g is not None]
+        if send.reach is None:
+            send.reach = reach_from([send.node])
+        futures = self._local_pass(
+            ctx, [("send", message_id)], [a for a, _ in pairs], [g for _, g in pairs],
+            send.reach, retain_graph, pass_id,
+        )
+        return _gather(futures) if futures else None
+
+    # -- cleanup -------------------------------------------------------------------------------
+
+    def create_context(self) -> DistAutogradContext:
+        if self.closed:
+            raise DistAutogradError("RPC was shut down; cannot create an autograd context")
+        return self.store.create()
+
+    def release(self, context_id: int) -> None:
+        """Leave a context: release it here and tell the workers that took part."""
+        ctx = self.store.release(context_id)
+        if ctx is None or self.closed:
+            return
+        futures = self._notify(ctx, exclude=None)
+        with self._cleanups_lock:
+            self._cleanups = [f for f in self._cleanups if not f.done()] + futures
+
+    def _notify(self, ctx: DistAutogradContext, exclude: int | None) -> list[torch.futures.Future]:
+        futures = []
+        for rank in sorted(ctx.known_workers - {self.agent.rank, exclude}):
+            try:
+                futures.append(self.agent.send_request(
+                    self.agent.resolve(rank), MessageKind.AUTOGRAD_CLEANUP, (ctx.context_id,),
+                    description=f"autograd context {ctx.context_id} cleanup",
+                ))
+            except Exception as exc:  # noqa: BLE001 - best effort, as in torch
+                _log.warning("%s: cannot clean up autograd context %s on worker %s: %s",
+                             self.agent.name, ctx.context_id, rank, exc)
+        return futures
+
+    def handle_cleanup(self, request: IncomingRequest) -> Any:
+        """AUTOGRAD_CLEANUP (inline): release, forward, reply once the forwards were answered."""
+        (context_id,) = request.payload
+        ctx = self.store.release(context_id)
+        if ctx is None or self.closed:
+            return None  # already released here: the propagation stops
+        futures = self._notify(ctx, exclude=request.sender.id)
+        return _gather(futures, errors_matter=False) if futures else None
+
+    def wait_for_cleanup(self, timeout: float) -> bool:
+        """Wait until the cleanups this worker started were acknowledged (transitively)."""
+        with self._cleanups_lock:
+            futures = list(self._cleanups)
+        done = threading.Event()
+        gathered = _gather(futures, errors_matter=False)
+        gathered.add_done_callback(lambda _: done.set())
+        finished = done.wait(timeout)
+        if finished:
+            with self._cleanups_lock:
+                self._cleanups = [f for f in self._cleanups if not f.done()]
+        return finished
+
+    def debug_info(self) -> dict[str, Any]:
+        contexts = self.store.all()
+        known: set[int] = set()
+        sends = recvs = 0
+        for ctx in contexts:
+            with ctx.lock:
+                sends += len(ctx.send_functions)
+                recvs += len(ctx.recv_functions)
+                known |= ctx.known_workers
+        return {
+            "num_autograd_contexts": len(contexts),
+            "num_send_functions": sends,
+            "num_recv_functions": recvs,
+            "known_worker_ids": sorted(known),
+            "num_current_backward_passes": self._passes,
+        }
+
+    def close(self, graceful: bool) -> None:
+        self.closed = True
+        self.store.clear()
+
+
+def engine_of(agent: Agent) -> AutogradEngine:
+    engine = agent.extensions.get(_EXTENSION)
+    if engine is None:
+        raise DistAutogradError(
+            "distributed autograd is not installed on this RPC agent; import actorrpc.autograd "
+            "before init_rpc"
+        )
+    return engine  # type: ignore[no-any-return]
+
+
+def install(agent: Agent) -> None:
+    """Agent plugin: the engine, its call hook and its two message handlers (idempotent)."""
+    if _EXTENSION in agent.extensions:
+        return
+    engine = AutogradEngine(agent)
+    agent.extensions[_EXTENSION] = engine
+    agent.register_handler(MessageKind.AUTOGRAD_BACKWARD, engine.handle_backward)
+    agent.register_handler(MessageKind.AUTOGRAD_CLEANUP, engine.handle_cleanup, inline=True)
+    agent.add_call_hook(engine)
+    agent.add_close_hook(engine.close)

@@ -1,0 +1,219 @@
+"""The autograd nodes that mark message boundaries, and walking values and graphs.
+
+``SendRpc`` and ``RecvRpc`` are identity ``torch.autograd.Function`` s. Their
+nodes are named ``SendRpcBackward`` and ``RecvRpcBackward``, as in torch:
+
+* ``SendRpcBackward`` is the grad_fn of private aliases of the tensors that left
+  this worker; backpropagating from the aliases with the gradients that come back
+  reaches exactly the graph those tensors had when they were sent.
+* ``RecvRpcBackward`` is the grad_fn of the tensors that arrived. A local pass
+  never runs it: it asks ``torch.autograd.grad`` for the gradient at its output
+  edges, which is what must travel back to the sender.
+
+Values are walked through lists, tuples (named tuples too) and dict values, in
+order, each tensor once; both ends of a message walk the same (pickled) structure
+the same way, so the i-th tensor found by the sender is the i-th found by the
+receiver.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Reach",
+    "RecvRpc",
+    "SendRpc",
+    "find_grad_tensors",
+    "reach_from",
+    "recv_tag",
+    "replace_tensors",
+]
+
+# Attributes set on a RecvRpcBackward node (ints only: no cycle node <-> records).
+_CTX = "_actorrpc_context_id"
+_MSG = "_actorrpc_message_id"
+_SENDER = "_actorrpc_sender"
+_NOUT = "_actorrpc_num_outputs"
+
+# Input of every RecvRpc so that its outputs require grad; never receives a gradient.
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+class SendRpc(torch.autograd.Function):
+    """Identity; its node marks where tensors left this worker."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        # A tensor of the message that gets no gradient passes None on (as torch's
+        # undefined gradient), so its inputs get no (zero) gradient entry.
+        ctx.set_materialize_grads(False)
+        # detach(): new tensor objects sharing the data but not flagged as views.
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return grads
+
+
+class RecvRpc(torch.autograd.Function):
+    """Identity; its node (tagged with the message) is the grad_fn of received tensors."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        # detach() rather than a view: users may modify received tensors in place.
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:  # type: ignore[override]
+        # Only reached by a plain local backward (outside dist_autograd.backward):
+        # nothing flows to the anchor, and nothing is sent.
+        return (None,) * (1 + len(grads))
+
+
+def make_send_aliases(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``SendRpc`` applied to ``tensors`` (each requires grad)."""
+    with torch.enable_grad():
+        return tuple(SendRpc.apply(*tensors))
+
+
+def make_recv_outputs(
+    tensors: list[torch.Tensor], context_id: int, message_id: int, sender: int
+) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """New tensors with the received values whose grad_fn is one tagged ``RecvRpcBackward``."""
+    with torch.enable_grad():
+        outputs = tuple(RecvRpc.apply(_ANCHOR, *(t.detach() for t in tensors)))
+    node = outputs[0].grad_fn
+    setattr(node, _CTX, context_id)
+    setattr(node, _MSG, message_id)
+    setattr(node, _SENDER, sender)
+    setattr(node, _NOUT, len(outputs))
+    return outputs, node
+
+
+def recv_tag(node: Any) -> tuple[int, int, int, int] | None:
+    """``(context_id, message_id, sender, num_outputs)`` of a RecvRpcBackward node, else None."""
+    message_id = getattr(node, _MSG, None)
+    if message_id is None:
+        return None
+    return getattr(node, _CTX), message_id, getattr(node, _SENDER), getattr(node, _NOUT)
+
+
+# -- values ------------------------------------------------------------------------------
+
+
+def _children(obj: Any) -> Iterable[Any] | None:
+    if isinstance(obj, (list, tuple)):
+        return obj
+    if isinstance(obj, dict):
+        return obj.values()
+    return None
+
+
+def find_grad_tensors(*values: Any) -> list[torch.Tensor]:
+    """Tensors requiring grad in ``values``, in walk order, each once."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack: list[Any] = list(reversed(values))
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            if obj.requires_grad and id(obj) not in seen:
+                seen.add(id(obj))
+                found.append(obj)
+            continue
+        children = _children(obj)
+        if children is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))  # a container reached twice (or a cycle) is walked once
+        stack.extend(reversed(list(children)))
+    return found
+
+
+def replace_tensors(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
+    """A copy of ``obj`` whose tensors with ids in ``mapping`` are replaced; shares the rest."""
+    memo: dict[int, Any] = {}
+
+    def rebuild(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return mapping.get(id(value), value)
+        if _children(value) is None:
+            return value
+        key = id(value)
+        if key in memo:
+            return memo[key]
+        memo[key] = value  # a cycle back to this container keeps the original
+        if isinstance(value, dict):
+            items = {k: rebuild(v) for k, v in value.items()}
+            if all(items[k] is value[k] for k in value):
+                return value
+            if type(value) is dict:
+                new: Any = items
+            else:
+                new = copy.copy(value)
+                new.update(items)
+        else:
+            elements = [rebuild(v) for v in value]
+            if all(a is b for a, b in zip(elements, value)):
+                return value
+            if isinstance(value, list):
+                new = elements if type(value) is list else type(value)(elements)
+            elif type(value) is tuple:
+                new = tuple(elements)
+            elif hasattr(value, "_fields"):
+                new = type(value)(*elements)  # a named tuple
+            else:
+                new = type(value)(elements)
+        memo[key] = new
+        return new
+
+    return rebuild(obj)
+
+
+# -- graphs --------------------------------------------------------------------------------
+
+
+@dataclass
+class Reach:
+    """What a local pass from some nodes can reach: leaves, and recv nodes (where it stops)."""
+
+    leaves: list[torch.Tensor]
+    recvs: list[Any]
+
+
+def reach_from(nodes: Iterable[Any], extra_leaves: Iterable[torch.Tensor] = ()) -> Reach:
+    """Walk the local graph below ``nodes``; never crosses a RecvRpcBackward node."""
+    leaves: list[torch.Tensor] = []
+    leaf_ids: set[int] = set()
+    for leaf in extra_leaves:
+        if id(leaf) not in leaf_ids:
+            leaf_ids.add(id(leaf))
+            leaves.append(leaf)
+    recvs: list[Any] = []
+    seen: set[Any] = set()  # node objects are stable while referenced (they are, here)
+    stack = [n for n in nodes if n is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None:
+            if id(variable) not in leaf_ids:
+                leaf_ids.add(id(variable))
+                leaves.append(variable)
+            continue
+        if recv_tag(node) is not None:
+            recvs.append(node)
+            continue
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                stack.append(child)
+    return Reach(leaves, recvs)
