@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ._environment import LaunchEnvironment, launch_environment
 from .agent import (
     Agent,
     Future,
@@ -36,17 +37,22 @@ _init_lock = threading.Lock()
 _ACCEPTED_BACKENDS = {"ZMQ", "TENSORPIPE", "PROCESS_GROUP"}
 
 
-def _env_int(variable: str, what: str) -> int:
-    value = os.environ.get(variable)
+def _from_environment(value: int | None, variable: str, what: str) -> int:
     if value is None:
         raise InvalidArgumentError(
-            f"{what} was not given and the environment variable {variable} is not set "
-            "(torchrun and `actorrpc launch` set it)"
+            f"{what} was not given and the environment does not say it: set {variable} "
+            "(torchrun and `actorrpc launch` do), or run under SLURM (SLURM_PROCID/SLURM_NTASKS)"
         )
-    try:
-        return int(value)
-    except ValueError as exc:
-        raise InvalidArgumentError(f"{variable}={value!r} is not an integer") from exc
+    return value
+
+
+def _export_master(environment: LaunchEnvironment) -> None:
+    """Make ``env://`` work under SLURM: publish the master address it implies."""
+    if environment.source == "SLURM":
+        if environment.master_addr and not os.environ.get("MASTER_ADDR"):
+            os.environ["MASTER_ADDR"] = environment.master_addr
+        if environment.master_port and not os.environ.get("MASTER_PORT"):
+            os.environ["MASTER_PORT"] = str(environment.master_port)
 
 
 def init_rpc(
@@ -64,8 +70,10 @@ def init_rpc(
             (set by ``actorrpc launch --names``), else ``worker<rank>``.
         backend: ``None`` or a :class:`BackendType` (``TENSORPIPE`` and
             ``PROCESS_GROUP`` are accepted aliases of the ZeroMQ backend).
-        rank: this worker's unique rank; ``-1`` reads ``RANK``.
-        world_size: the number of workers; ``None`` reads ``WORLD_SIZE``.
+        rank: this worker's unique rank; ``-1`` reads ``RANK`` (or ``SLURM_PROCID``).
+        world_size: the number of workers; ``None`` reads ``WORLD_SIZE`` (or
+            ``SLURM_NTASKS``). Under SLURM the first host of
+            ``SLURM_JOB_NODELIST`` becomes ``MASTER_ADDR``.
         rpc_backend_options: :class:`ZmqRpcBackendOptions` or torch's
             ``TensorPipeRpcBackendOptions`` (its init_method, rpc_timeout and
             num_worker_threads are honoured).
@@ -89,15 +97,17 @@ def init_rpc(
     """
     if name is not None:
         validate_worker_name(name)
+    environment = launch_environment()
     if rank is None or rank < 0:
-        rank = _env_int("RANK", "rank")
+        rank = _from_environment(environment.rank, "RANK", "rank")
     if name is None:
         name = validate_worker_name(os.environ.get("ACTORRPC_WORKER_NAME") or f"worker{rank}")
     if backend is not None and getattr(backend, "name", backend) not in _ACCEPTED_BACKENDS:
         raise TypeError(f"backend must be an actorrpc.BackendType, got {backend!r}")
     options = coerce_options(rpc_backend_options)
     if world_size is None:
-        world_size = _env_int("WORLD_SIZE", "world_size")
+        world_size = _from_environment(environment.world_size, "WORLD_SIZE", "world_size")
+    _export_master(environment)
     if world_size < 1 or not 0 <= rank < world_size:
         raise InvalidArgumentError(f"rank {rank} is not in range for world_size {world_size}")
     with _init_lock:
