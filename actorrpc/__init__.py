@@ -18,6 +18,7 @@ from ._api import (
     rpc_sync,
     shutdown,
 )
+from ._local import LocalWorkers, local_workers
 from .agent import BackendType, Future, WorkerInfo, ZmqRpcBackendOptions
 from .errors import (
     ActorRpcError,
@@ -62,6 +63,7 @@ __all__ = [
     "Future",
     "InvalidArgumentError",
     "InvalidNameError",
+    "LocalWorkers",
     "NotInitializedError",
     "PeerUnreachableError",
     "ProtocolError",
@@ -86,6 +88,7 @@ __all__ = [
     "init_rpc",
     "is_available",
     "is_initialized",
+    "local_workers",
     "remote",
     "rpc_async",
     "rpc_sync",
