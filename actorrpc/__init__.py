@@ -19,6 +19,7 @@ from ._api import (
     shutdown,
 )
 from ._local import LocalWorkers, local_workers
+from ._logging import install_worker_name_filter as _install_worker_name_filter
 from .agent import BackendType, Future, WorkerInfo, ZmqRpcBackendOptions
 from .errors import (
     ActorRpcError,
@@ -40,6 +41,8 @@ from .errors import (
 )
 from .rref import RRef
 from .rref import debug_info as get_rref_debug_info
+
+_install_worker_name_filter()
 
 TensorPipeRpcBackendOptions = ZmqRpcBackendOptions
 """Accepted alias of :class:`ZmqRpcBackendOptions` for code written for torch."""
