@@ -3,7 +3,9 @@
 The API of ``torch.distributed.autograd``: :class:`context`, :func:`backward`,
 :func:`get_gradients`, plus torch's private helpers used by its tests
 (``_current_context``, ``_retrieve_context``, ``_get_max_id``,
-``_get_debug_info``).
+``_get_debug_info``), :func:`debug_info` (contexts, send/recv functions, known
+workers on this worker) and ``_wait_for_cleanup`` (wait until the releases of
+contexts left here were acknowledged by every worker, transitively).
 
 Distributed backward is a message-driven graph traversal keyed by the autograd
 context id (see :mod:`actorrpc.autograd._engine`). Unlike torch's FAST mode it

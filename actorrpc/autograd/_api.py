@@ -107,10 +107,13 @@ def backward(
             )
     if isinstance(context_id, bool) or not isinstance(context_id, int):
         raise InvalidArgumentError(
-            f"context_id must be an int from dist_autograd.context(), got {type(context_id).__name__}"
+            "context_id must be an int from dist_autograd.context(), got "
+            f"{type(context_id).__name__}"
         )
     if not isinstance(retain_graph, bool):
-        raise InvalidArgumentError(f"retain_graph must be a bool, got {type(retain_graph).__name__}")
+        raise InvalidArgumentError(
+            f"retain_graph must be a bool, got {type(retain_graph).__name__}"
+        )
     roots_list = _check_roots(roots)
     _engine().backward(context_id, roots_list, retain_graph)
 

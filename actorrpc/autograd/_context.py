@@ -55,7 +55,9 @@ class IdGenerator:
 
     def __init__(self, rank: int) -> None:
         if not 0 <= rank <= MAX_RANK:
-            raise DistAutogradError(f"distributed autograd supports ranks up to {MAX_RANK}, got {rank}")
+            raise DistAutogradError(
+                f"distributed autograd supports ranks up to {MAX_RANK}, got {rank}"
+            )
         self._base = rank << ID_BITS
         self._counter = itertools.count()
         self._lock = threading.Lock()

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -91,7 +91,9 @@ KEY_RESPONSE = "autograd_response_id"
 _EXTENSION = "autograd"
 
 
-def _gather(futures: list[torch.futures.Future], errors_matter: bool = True) -> torch.futures.Future:
+def _gather(
+    futures: Sequence[torch.futures.Future], errors_matter: bool = True
+) -> torch.futures.Future:
     """A Future completed when all ``futures`` are; it fails with the first error if any.
 
     Completion happens in the last child's callback (often on the I/O thread); it
@@ -115,8 +117,8 @@ def _gather(futures: list[torch.futures.Future], errors_matter: bool = True) -> 
         if errors and errors_matter:
             result.set_exception(errors[0])
         else:
-            for exc in errors:
-                _log.warning("distributed autograd cleanup: %s", exc)
+            for error in errors:
+                _log.warning("distributed autograd cleanup: %s", error)
             result.set_result(None)
 
     if not futures:
@@ -132,7 +134,7 @@ def _failed(exc: BaseException) -> torch.futures.Future:
     return future
 
 
-def _then(future: torch.futures.Future, fn: Callable[[Any], Any]) -> torch.futures.Future:
+def _then(future: Any, fn: Callable[[Any], Any]) -> torch.futures.Future:
     """``future.then`` keeping exception types (torch's then() turns them into RuntimeError)."""
     result: torch.futures.Future = torch.futures.Future()
 
@@ -322,7 +324,8 @@ class AutogradEngine:
             )
         if len(grads) != len(send.aliases):
             raise DistAutogradError(
-                f"message {message_id} carries {len(grads)} gradients for {len(send.aliases)} tensors"
+                f"message {message_id} carries {len(grads)} gradients for "
+                f"{len(send.aliases)} tensors"
             )
         pairs = [(a, g) for a, g in zip(send.aliases, grads) if g is not None]
         if send.reach is None:
@@ -350,7 +353,7 @@ class AutogradEngine:
             self._cleanups = [f for f in self._cleanups if not f.done()] + futures
 
     def _notify(self, ctx: DistAutogradContext, exclude: int | None) -> list[torch.futures.Future]:
-        futures = []
+        futures: list[torch.futures.Future] = []
         for rank in sorted(ctx.known_workers - {self.agent.rank, exclude}):
             try:
                 futures.append(self.agent.send_request(

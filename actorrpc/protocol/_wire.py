@@ -39,9 +39,9 @@ by exactly one ``RESPONSE`` (payload: the result) or ``EXCEPTION`` (payload: a
 ``RemoteExceptionInfo`` tuple) carrying the same message id. Payloads are
 pickled tuples:
 
-========================  ==  ==================================================
+========================  ==  ============================================================
 kind                      id  payload
-========================  ==  ==================================================
+========================  ==  ============================================================
 CALL                       1  ``(func, args, kwargs, meta)``
 RESPONSE                   2  result value
 EXCEPTION                  3  ``(type, args, repr, traceback, worker name)``
@@ -50,11 +50,11 @@ RREF_FETCH                 5  ``(rref_id, meta)``
 RREF_FORK_REQUEST          6  ``(rref_id, fork_id)`` user -> owner
 RREF_CHILD_ACCEPT          7  ``(fork_id,)``  child -> parent
 RREF_USER_DELETE           8  ``(rref_id, fork_id)`` user -> owner
-AUTOGRAD_BACKWARD          9  ``(context_id, message_id, grads, retain_graph)``
+AUTOGRAD_BACKWARD          9  ``(context_id, message_id, grads, retain_graph, pass_id)``
 AUTOGRAD_CLEANUP          10  ``(context_id,)``
 PING                      11  ``()`` application-level liveness check
 BARRIER                   12  ``(name, rank)``
-========================  ==  ==================================================
+========================  ==  ============================================================
 
 ``meta`` is a dict of call metadata contributed by registered call hooks (for
 example the distributed autograd context id). Higher layers register handlers

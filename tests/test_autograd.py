@@ -1,0 +1,630 @@
+"""Distributed autograd over the session's real 3-worker group (this process is worker0).
+
+Functions defined at module level here run on the other workers (they import
+this module). Every test ends by checking that no worker still holds an autograd
+context: leaving a context must release it everywhere, transitively.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import actorrpc as rpc
+import actorrpc.autograd as dist_autograd
+from actorrpc.errors import DistAutogradError
+
+# -- helpers that run on the workers -------------------------------------------------------------
+
+
+def _debug_info() -> dict[str, Any]:
+    return dist_autograd.debug_info()
+
+
+def _context_summary(context_id: int) -> dict[str, Any]:
+    ctx = dist_autograd._retrieve_context(context_id)
+    sends = ctx._send_functions()
+    recvs = ctx._recv_functions()
+    return {
+        "send": len(sends),
+        "recv": len(recvs),
+        "send_names": sorted(type(n).__name__ for n in sends.values()),
+        "recv_names": sorted(type(n).__name__ for n in recvs.values()),
+        "known": sorted(ctx._known_worker_ids()),
+    }
+
+
+def _has_context(context_id: int) -> bool:
+    try:
+        dist_autograd._retrieve_context(context_id)
+    except DistAutogradError:
+        return False
+    return True
+
+
+def _new_context_id() -> int:
+    with dist_autograd.context() as context_id:
+        return context_id
+
+
+def _py_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+def _current_id() -> int:
+    return dist_autograd._current_context()._context_id()
+
+
+def _nested_mul_tanh(dst: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """On the middle worker: a remote product, then a local op that reuses ``a``."""
+    product = rpc.rpc_sync(dst, torch.mul, args=(a, b))
+    return torch.tanh(product) + a
+
+
+def _nested_mul_tanh_local(dst: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(a * b) + a
+
+
+def _call_back(dst: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """worker1 calls back into ``dst`` (worker0), then uses the result."""
+    back = rpc.rpc_sync(dst, _py_add, args=(a * 2, b))
+    return back * a
+
+
+@rpc.functions.async_execution
+def _async_mul_double(dst: str, a: torch.Tensor, b: torch.Tensor) -> torch.futures.Future:
+    """Replies with a Future: the response's send function is recorded when it completes."""
+    return rpc.rpc_async(dst, torch.mul, args=(a, b)).then(lambda fut: fut.wait() * 2)
+
+
+def _sum_of_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a + b).sum()
+
+
+def _call_back_local(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a * 2 + b) * a
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise ValueError("boom in a remote backward")
+
+
+def _raise_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return _Boom.apply(x)
+
+
+_PARAMS: dict[int, torch.Tensor] = {}
+_PARAMS_LOCK = threading.Lock()
+
+
+def _make_param(key: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(key)
+    return torch.randn(3, 3, generator=generator, dtype=torch.float64).requires_grad_()
+
+
+def _param(key: int) -> torch.Tensor:
+    with _PARAMS_LOCK:
+        if key not in _PARAMS:
+            _PARAMS[key] = _make_param(key)
+        return _PARAMS[key]
+
+
+def _param_op(key: int, a: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(a @ _param(key))
+
+
+def _param_grads(context_id: int, keys: list[int]) -> list[torch.Tensor | None]:
+    grads = dist_autograd.get_gradients(context_id)
+    return [grads.get(_param(k)) for k in keys]
+
+
+# The random programs' ops: all operands and results are 3x3.
+_OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "add": torch.add,
+    "mul": torch.mul,
+    "matmul": torch.matmul,
+    "tanh": lambda a, b: torch.tanh(a),
+    "sum": lambda a, b: a.sum() * b,
+}
+
+
+def _hop(path: list[int], op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Apply ``op`` at the end of ``path``; each worker on the way adds an op on the way back."""
+    if not path:
+        return _OPS[op](a, b)
+    result = rpc.rpc_sync(f"worker{path[0]}", _hop, args=(path[1:], op, a, b))
+    return result * 0.5 + a.mean()
+
+
+def _hop_local(path: list[int], op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if not path:
+        return _OPS[op](a, b)
+    return _hop_local(path[1:], op, a, b) * 0.5 + a.mean()
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def workers(cluster: list[str]) -> Iterator[list[str]]:
+    """The group; afterwards, no worker may still hold an autograd context."""
+    yield cluster
+    assert dist_autograd._wait_for_cleanup(20.0), "context cleanup was not acknowledged"
+    assert dist_autograd.debug_info()["num_autograd_contexts"] == 0
+    for name in cluster[1:]:
+        info = rpc.rpc_sync(name, _debug_info)
+        assert info["num_autograd_contexts"] == 0, f"{name} still holds contexts: {info}"
+
+
+def _leaves(*shapes: tuple[int, ...], seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
+        for shape in shapes
+    ]
+
+
+def _reference(leaves: list[torch.Tensor], forward: Callable[..., torch.Tensor]) -> list[Any]:
+    """Gradients of ``forward(*copies)`` by local autograd, for copies of ``leaves``."""
+    copies = [t.detach().clone().requires_grad_() for t in leaves]
+    return list(torch.autograd.grad(forward(*copies), copies, allow_unused=True))
+
+
+def _outside_context(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a fresh thread, which has no current autograd context."""
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def _assert_grads(context_id: int, leaves: list[torch.Tensor], expected: list[Any]) -> None:
+    grads = dist_autograd.get_gradients(context_id)
+    for i, (leaf, want) in enumerate(zip(leaves, expected)):
+        if want is None:
+            assert leaf not in grads, f"leaf {i} should get no gradient"
+        else:
+            torch.testing.assert_close(grads[leaf], want, msg=lambda m, i=i: f"leaf {i}: {m}")
+        assert leaf.grad is None, "distributed backward must not write .grad"
+
+
+# -- contexts --------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_context_ids_unique_and_nesting_raises(workers: list[str]) -> None:
+    with dist_autograd.context() as first:
+        assert first >> 48 == 0
+        assert dist_autograd._current_context()._context_id() == first
+        assert rpc.rpc_sync("worker1", _current_id) == first  # the callee runs in it
+        with pytest.raises(DistAutogradError, match="Already have an autograd context id"):
+            with dist_autograd.context():
+                pass
+        assert dist_autograd._current_context()._context_id() == first  # still current
+        other: list[int] = []
+        thread = threading.Thread(target=lambda: other.append(_new_context_id()))
+        thread.start()
+        thread.join()
+        assert other[0] != first  # the current context is per thread
+    with dist_autograd.context() as second:
+        assert second != first
+    remote_ids = {rpc.rpc_sync("worker1", _new_context_id) for _ in range(3)}
+    assert len(remote_ids) == 3 and all(i >> 48 == 1 for i in remote_ids)
+    assert dist_autograd._get_max_id() == (1 << 48) - 1
+    with pytest.raises(DistAutogradError, match="Current thread doesn't have"):
+        dist_autograd._current_context()
+
+
+@pytest.mark.timeout(60)
+def test_get_gradients_unknown_context(workers: list[str]) -> None:
+    with pytest.raises(DistAutogradError, match="Could not find autograd context with id: 12345"):
+        dist_autograd.get_gradients(12345)
+    with dist_autograd.context() as context_id:
+        assert dist_autograd.get_gradients(context_id) == {}
+    missing = f"Could not find autograd context with id: {context_id}"
+    with pytest.raises(DistAutogradError, match=missing):
+        dist_autograd.get_gradients(context_id)
+
+
+@pytest.mark.timeout(60)
+def test_graph_recorded_only_for_tensors_requiring_grad(workers: list[str]) -> None:
+    t1, t2 = _leaves((3, 3), (3, 3))
+    with dist_autograd.context() as context_id:
+        rpc.rpc_sync("worker1", torch.add, args=(t1, t2))
+        local = _context_summary(context_id)
+        assert local["send"] == 1 and local["recv"] == 1  # request out, response back
+        assert local["send_names"] == ["SendRpcBackward"]
+        assert local["recv_names"] == ["RecvRpcBackward"]
+        assert local["known"] == [1]
+        send = next(iter(dist_autograd._current_context()._send_functions().values()))
+        edges = {type(n).__name__ for n, _ in send.next_functions}
+        assert edges == {"AccumulateGrad"}
+        remote = rpc.rpc_sync("worker1", _context_summary, args=(context_id,))
+        assert remote["send"] == 1 and remote["recv"] == 1 and remote["known"] == [0]
+    with dist_autograd.context() as context_id:
+        plain = torch.ones(3, 3)
+        result = rpc.rpc_sync("worker2", torch.add, args=(plain, plain))
+        assert not result.requires_grad
+        assert _context_summary(context_id)["send"] == 0
+        assert _context_summary(context_id)["recv"] == 0
+        assert _context_summary(context_id)["known"] == [2]
+        remote = rpc.rpc_sync("worker2", _context_summary, args=(context_id,))
+        assert remote["send"] == 0 and remote["recv"] == 0
+    # Outside a context nothing is recorded and the tensors arrive as leaves.
+    result = rpc.rpc_sync("worker1", torch.add, args=(t1, t2))
+    assert result.requires_grad and result.grad_fn is None
+
+
+# -- backward correctness ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("func", [torch.add, _py_add], ids=["builtin", "python"])
+def test_backward_simple(workers: list[str], func: Callable[..., torch.Tensor]) -> None:
+    t1, t2 = _leaves((3, 3), (3, 3))
+    with dist_autograd.context() as context_id:
+        loss = (rpc.rpc_sync("worker1", func, args=(t1, t2)) * t1).sum()
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(context_id, [t1, t2], _reference([t1, t2], lambda a, b: ((a + b) * a).sum()))
+
+
+@pytest.mark.timeout(60)
+def test_backward_from_a_received_scalar(workers: list[str]) -> None:
+    t1, t2 = _leaves((3, 3), (3, 3))
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker2", _sum_of_add, args=(t1, t2 * t2))
+        assert type(loss.grad_fn).__name__ == "RecvRpcBackward"
+        dist_autograd.backward(context_id, [loss])
+        ones = torch.ones(3, 3, dtype=torch.float64)
+        _assert_grads(context_id, [t1, t2], [ones, 2 * t2.detach()])
+
+
+@pytest.mark.timeout(60)
+def test_backward_old_form_uses_current_context(workers: list[str]) -> None:
+    (t1,) = _leaves((2, 2))
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker2", torch.mul, args=(t1, t1)).sum()
+        dist_autograd.backward([loss])
+        _assert_grads(context_id, [t1], [2 * t1.detach()])
+
+
+@pytest.mark.timeout(60)
+def test_backward_chain_through_three_workers(workers: list[str]) -> None:
+    t1, t2 = _leaves((3, 3), (3, 3), seed=1)
+    with dist_autograd.context() as context_id:
+        out = rpc.rpc_sync("worker1", _nested_mul_tanh, args=("worker2", t1, t2))
+        loss = out.sum()
+        dist_autograd.backward(context_id, [loss])
+        expected = _reference([t1, t2], lambda a, b: _nested_mul_tanh_local("", a, b).sum())
+        _assert_grads(context_id, [t1, t2], expected)
+        # worker1 knows both neighbours; worker2 knows worker1 (and worker0 from this query).
+        assert rpc.rpc_sync("worker1", _context_summary, args=(context_id,))["known"] == [0, 2]
+        assert 1 in rpc.rpc_sync("worker2", _context_summary, args=(context_id,))["known"]
+
+
+@pytest.mark.timeout(60)
+def test_backward_cycle_back_to_initiator(workers: list[str]) -> None:
+    t1, t2 = _leaves((3,), (3,), seed=2)
+    with dist_autograd.context() as context_id:
+        out = rpc.rpc_sync("worker1", _call_back, args=("worker0", t1, t2))
+        loss = (out * t2).sum()
+        dist_autograd.backward(context_id, [loss])
+        expected = _reference([t1, t2], lambda a, b: (((a * 2 + b) * a) * b).sum())
+        _assert_grads(context_id, [t1, t2], expected)
+
+
+@pytest.mark.timeout(60)
+def test_backward_multiple_round_trips(workers: list[str]) -> None:
+    t1, t2, t3, t4 = _leaves((3, 3), (3, 3), (3, 3), (3, 3), seed=3)
+
+    def forward(a: Any, b: Any, c: Any, d: Any, call: Callable[..., Any]) -> torch.Tensor:
+        val = call("worker1", torch.add, (a, b))
+        val = call("worker2", torch.mul, (c, val))
+        s1 = call("worker1", torch.stack, ([val],))
+        s2 = call("worker2", torch.sum, (s1,))
+        val = call("worker1", torch.matmul, (s1[0], d))
+        return call("worker2", torch.sum, (val,)) + s2
+
+    with dist_autograd.context() as context_id:
+        loss = forward(t1, t2, t3, t4, lambda to, f, args: rpc.rpc_sync(to, f, args=args))
+        dist_autograd.backward(context_id, [loss])
+        expected = _reference(
+            [t1, t2, t3, t4], lambda *ts: forward(*ts, call=lambda to, f, args: f(*args))
+        )
+        _assert_grads(context_id, [t1, t2, t3, t4], expected)
+
+
+@pytest.mark.timeout(60)
+def test_backward_through_remote_and_to_here(workers: list[str]) -> None:
+    t1, t2, t3 = _leaves((3, 3), (3, 3), (3, 3), seed=4)
+    with dist_autograd.context() as context_id:
+        rref = rpc.remote("worker1", torch.add, args=(t1, t2))
+        other = rpc.remote("worker2", _py_add, args=(t2, t3))
+        loss = (rref.to_here() * other.to_here()).sum()
+        dist_autograd.backward(context_id, [loss])
+        expected = _reference([t1, t2, t3], lambda a, b, c: ((a + b) * (b + c)).sum())
+        _assert_grads(context_id, [t1, t2, t3], expected)
+        del rref, other
+
+
+@pytest.mark.timeout(60)
+def test_backward_to_self(workers: list[str]) -> None:
+    t1, t2 = _leaves((4,), (4,), seed=5)
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker0", torch.mul, args=(t1, t2)).sum()
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(context_id, [t1, t2], [t2.detach(), t1.detach()])
+
+
+@pytest.mark.timeout(60)
+def test_same_tensor_twice_and_nested_containers(workers: list[str]) -> None:
+    t1, t2 = _leaves((3,), (3,), seed=11)
+    with dist_autograd.context() as context_id:
+        square = rpc.rpc_sync("worker1", torch.mul, args=(t1, t1))
+        stacked = rpc.rpc_sync("worker2", torch.stack, args=([t1, {"x": t2}["x"]],))
+        echoed = rpc.rpc_sync("worker1", _py_add, kwargs={"a": (t2,)[0], "b": t2 * 3})
+        loss = (square + stacked.sum(0) + echoed).sum()
+        dist_autograd.backward(context_id, [loss])
+        expected = _reference([t1, t2], lambda a, b: (a * a + (a + b) + (b + b * 3)).sum())
+        _assert_grads(context_id, [t1, t2], expected)
+
+
+@pytest.mark.timeout(60)
+def test_backward_through_async_execution(workers: list[str]) -> None:
+    t1, t2 = _leaves((3,), (3,), seed=12)
+    with dist_autograd.context() as context_id:
+        out = rpc.rpc_sync("worker1", _async_mul_double, args=("worker2", t1, t2))
+        dist_autograd.backward(context_id, [(out * t1).sum()])
+        expected = _reference([t1, t2], lambda a, b: (a * b * 2 * a).sum())
+        _assert_grads(context_id, [t1, t2], expected)
+
+
+@pytest.mark.timeout(60)
+def test_rref_backward_runs_on_owner(workers: list[str]) -> None:
+    t1, t2 = _leaves((3, 3), (3, 3), seed=13)
+    with dist_autograd.context() as context_id:
+        rref = rpc.remote("worker1", _sum_of_add, args=(t1, t2 * t2))
+        rref.backward(context_id)
+        expected = _reference([t1, t2], lambda a, b: (a + b * b).sum())
+        _assert_grads(context_id, [t1, t2], expected)
+        del rref
+
+
+@pytest.mark.timeout(60)
+def test_gradients_of_remote_leaves_stay_on_their_worker(workers: list[str]) -> None:
+    (t1,) = _leaves((3, 3), seed=6)
+    key = 10_000
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker2", _param_op, args=(key, t1)).sum()
+        dist_autograd.backward(context_id, [loss])
+        param = _make_param(key)
+        expected = _reference([t1, param], lambda a, p: torch.tanh(a @ p).sum())
+        _assert_grads(context_id, [t1], expected[:1])
+        (remote_grad,) = rpc.rpc_sync("worker2", _param_grads, args=(context_id, [key]))
+        torch.testing.assert_close(remote_grad, expected[1])
+
+
+@pytest.mark.timeout(60)
+def test_backward_accumulates_with_retain_graph(workers: list[str]) -> None:
+    t1, t2 = _leaves((3, 3), (3, 3), seed=7)
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker1", torch.mul, args=(t1, t2)).tanh().sum()
+        dist_autograd.backward(context_id, [loss], retain_graph=True)
+        first = dist_autograd.get_gradients(context_id)
+        once = _reference([t1, t2], lambda a, b: (a * b).tanh().sum())
+        _assert_grads(context_id, [t1, t2], once)
+        dist_autograd.backward(context_id, [loss], retain_graph=True)
+        _assert_grads(context_id, [t1, t2], [2 * g for g in once])
+        torch.testing.assert_close(first[t1], 2 * once[0])  # updated in place
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(context_id, [t1, t2], [3 * g for g in once])
+
+
+@pytest.mark.timeout(60)
+def test_second_backward_without_retain_graph_raises(workers: list[str]) -> None:
+    t1, t2 = _leaves((3, 3), (3, 3), seed=8)
+    with dist_autograd.context() as context_id:
+        out = rpc.rpc_sync("worker1", torch.mul, args=(t1, t2))
+        loss = out.sum()
+        dist_autograd.backward(context_id, [loss])
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            dist_autograd.backward(context_id, [loss])
+        # A new root over the same remote graph: the error comes from worker1.
+        with pytest.raises(RuntimeError, match="(?s)worker1.*backward through the graph a second"):
+            dist_autograd.backward(context_id, [(out * 2).sum()])
+
+
+@pytest.mark.timeout(60)
+def test_error_in_remote_backward_reaches_initiator(workers: list[str]) -> None:
+    t1, t2 = _leaves((3,), (3,), seed=9)
+    with dist_autograd.context() as context_id:
+        out = rpc.rpc_sync("worker1", _raise_in_backward, args=(t1,))
+        loss = (out * t2).sum()
+        with pytest.raises(ValueError, match="(?s)worker1.*boom in a remote backward"):
+            dist_autograd.backward(context_id, [loss])
+    # Through a chain: the error passes worker1 on its way back.
+    with dist_autograd.context() as context_id:
+        out = rpc.rpc_sync("worker1", _hop, args=([2], "mul", t1, t2))
+        out = rpc.rpc_sync("worker2", _raise_in_backward, args=(out,))
+        with pytest.raises(ValueError, match="(?s)worker2.*boom"):
+            dist_autograd.backward(context_id, [out.sum()])
+    # Nothing is left broken: a fresh context works.
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker1", torch.mul, args=(t1, t2)).sum()
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(context_id, [t1, t2], [t2.detach(), t1.detach()])
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_contexts_in_threads(workers: list[str]) -> None:
+    """Threads run their own contexts at once; passes cross the same workers concurrently."""
+    errors: list[BaseException] = []
+
+    def train(seed: int) -> None:
+        try:
+            t1, t2 = _leaves((3, 3), (3, 3), seed=100 + seed)
+            for _ in range(5):
+                with dist_autograd.context() as context_id:
+                    out = rpc.rpc_sync("worker1", _nested_mul_tanh, args=("worker2", t1, t2))
+                    back = rpc.rpc_sync("worker2", _call_back, args=("worker0", out, t2))
+                    dist_autograd.backward(context_id, [back.sum()])
+                    expected = _reference([t1, t2], lambda a, b: _call_back_local(
+                        _nested_mul_tanh_local("", a, b), b).sum())
+                    _assert_grads(context_id, [t1, t2], expected)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.timeout(60)
+def test_unused_rpc_output_does_not_hang(workers: list[str]) -> None:
+    t1, t2 = _leaves((3, 3), (3, 3), seed=10)
+    with dist_autograd.context() as context_id:
+        unused = rpc.rpc_sync("worker1", torch.add, args=(t1, t2))
+        used = rpc.rpc_sync("worker2", torch.mul, args=(t1, t2))
+        dist_autograd.backward(context_id, [used.sum()])
+        _assert_grads(context_id, [t1, t2], [t2.detach(), t1.detach()])
+        assert unused.requires_grad
+
+
+@pytest.mark.timeout(60)
+def test_backward_invalid_args(workers: list[str]) -> None:
+    (t1,) = _leaves((3, 3))
+    with dist_autograd.context() as context_id:
+        with pytest.raises(ValueError, match="does not require grad"):
+            dist_autograd.backward(context_id, [torch.ones(())])
+        with pytest.raises(ValueError, match="not a scalar"):
+            dist_autograd.backward(context_id, [t1 * 2])
+        with pytest.raises(ValueError, match="non-empty list"):
+            dist_autograd.backward(context_id, None)
+        with pytest.raises(ValueError, match="non-empty list"):
+            dist_autograd.backward(context_id, [])
+        with pytest.raises(ValueError, match="not a tensor"):
+            dist_autograd.backward(context_id, [1.0])
+        with pytest.raises(ValueError, match="context_id must be an int"):
+            dist_autograd.backward("nope", [t1.sum()])
+        with pytest.raises(ValueError, match="retain_graph must be a bool"):
+            dist_autograd.backward(context_id, [t1.sum()], retain_graph=None)  # type: ignore[arg-type]
+        with pytest.raises(DistAutogradError, match="Could not find autograd context with id: 7"):
+            dist_autograd.backward(7, [t1.sum()])
+    with pytest.raises(DistAutogradError, match="needs a current autograd context"):
+        dist_autograd.backward([t1.sum()])
+
+
+@pytest.mark.timeout(60)
+def test_context_cleanup_propagates(workers: list[str]) -> None:
+    t1, t2 = _leaves((3, 3), (3, 3))
+    with dist_autograd.context() as context_id:
+        # worker0 -> worker1 -> worker2: worker0 does not know worker2.
+        rpc.rpc_sync("worker1", _nested_mul_tanh, args=("worker2", t1, t2))
+        assert dist_autograd._retrieve_context(context_id)._known_worker_ids() == {1}
+        # Asked from another thread (no current context), so worker0 still does not know worker2.
+        assert _outside_context(lambda: rpc.rpc_sync("worker2", _has_context, args=(context_id,)))
+        assert dist_autograd._retrieve_context(context_id)._known_worker_ids() == {1}
+    assert dist_autograd._wait_for_cleanup(20.0)
+    with pytest.raises(DistAutogradError):
+        dist_autograd._retrieve_context(context_id)
+    for name in ("worker1", "worker2"):
+        assert not rpc.rpc_sync(name, _has_context, args=(context_id,))
+
+
+@pytest.mark.timeout(60)
+def test_no_grad_records_nothing(workers: list[str]) -> None:
+    (t1,) = _leaves((3,))
+    with dist_autograd.context() as context_id:
+        with torch.no_grad():
+            rpc.rpc_sync("worker1", torch.add, args=(t1, 1))
+        assert _context_summary(context_id)["send"] == 0
+        assert _context_summary(context_id)["recv"] == 0
+
+
+# -- randomized programs over three workers ----------------------------------------------------
+
+
+def _random_program(seed: int) -> tuple[list[tuple[Any, ...]], list[int], list[int]]:
+    """Steps ``(kind, ...)`` over a pool that starts with 4 leaves; the pool indices in the loss."""
+    rng = random.Random(seed)
+    steps: list[tuple[Any, ...]] = []
+    size = 4
+    keys: list[int] = []
+    for _ in range(rng.randint(4, 10)):
+        a, b = rng.randrange(size), rng.randrange(size)  # reuse: fan-out
+        choice = rng.random()
+        if choice < 0.15:
+            key = seed * 100 + len(keys)
+            keys.append(key)
+            steps.append(("param", rng.randrange(3), key, a))
+        else:
+            path = [rng.randrange(3) for _ in range(rng.choice([0, 1, 1, 2, 2, 3]))]
+            via = "rref" if path and rng.random() < 0.2 else "rpc"
+            steps.append(("op", rng.choice(list(_OPS)), path, via, a, b))
+        size += 1
+    # The last value always counts; the others at random, so some outputs go unused.
+    used = [i for i in range(size - 1) if rng.random() < 0.4] + [size - 1]
+    return steps, used, keys
+
+
+def _run_program(steps: list[tuple[Any, ...]], used: list[int], leaves: list[torch.Tensor],
+                 distributed: bool, params: dict[int, torch.Tensor]) -> torch.Tensor:
+    pool = list(leaves)
+    for step in steps:
+        if step[0] == "param":
+            _, worker, key, a = step
+            if distributed:
+                pool.append(rpc.rpc_sync(f"worker{worker}", _param_op, args=(key, pool[a])))
+            else:
+                pool.append(torch.tanh(pool[a] @ params[key]))
+            continue
+        _, op, path, via, a, b = step
+        if not distributed or not path:
+            pool.append(_hop_local(path, op, pool[a], pool[b]))
+        elif via == "rref":
+            rref = rpc.remote(f"worker{path[0]}", _hop, args=(path[1:], op, pool[a], pool[b]))
+            pool.append(rref.to_here() * 0.5 + pool[a].mean())  # what _hop does after its RPC
+        else:
+            pool.append(_hop(path, op, pool[a], pool[b]))
+    # Keep values bounded so float64 comparisons stay meaningful.
+    return sum((torch.tanh(pool[i]).sum() for i in used), torch.zeros((), dtype=torch.float64))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", range(20))
+def test_random_programs_match_local_autograd(workers: list[str], seed: int) -> None:
+    steps, used, keys = _random_program(seed)
+    leaves = _leaves((3, 3), (3, 3), (3, 3), (3, 3), seed=seed)
+    params = {k: _make_param(k) for k in keys}
+    copies = [t.detach().clone().requires_grad_() for t in leaves]
+    ref_loss = _run_program(steps, used, copies, False, params)
+    expected = torch.autograd.grad(ref_loss, copies + list(params.values()), allow_unused=True)
+    with dist_autograd.context() as context_id:
+        loss = _run_program(steps, used, leaves, True, params)
+        torch.testing.assert_close(loss, ref_loss.detach())
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(context_id, leaves, list(expected[: len(leaves)]))
+        param_workers = {step[2]: step[1] for step in steps if step[0] == "param"}
+        for key, want in zip(keys, expected[len(leaves):]):
+            (got,) = rpc.rpc_sync(f"worker{param_workers[key]}", _param_grads,
+                                  args=(context_id, [key]))
+            if want is None:
+                assert got is None
+            else:
+                torch.testing.assert_close(got, want)
