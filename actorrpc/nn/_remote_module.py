@@ -24,22 +24,45 @@ def _forward(module_rref: RRef[torch.nn.Module], args: Any, kwargs: Any) -> Any:
     return module_rref.local_value()(*args, **kwargs)
 
 
+def _set_training(module_rref: RRef[torch.nn.Module], mode: bool) -> None:
+    module_rref.local_value().train(mode)
+
+
 def _parameter_rrefs(module_rref: RRef[torch.nn.Module], recurse: bool) -> list[RRef[Any]]:
     return [RRef(param) for param in module_rref.local_value().parameters(recurse)]
 
 
-def parse_remote_device(remote_device: str) -> tuple[str, str]:
-    """Split ``"worker1/cpu"`` (or ``"worker1"``) into the worker and the device."""
+def parse_remote_device(remote_device: str) -> tuple[str | int, str]:
+    """Split ``"worker1/cpu"``, ``"rank:1/cpu"`` or ``"worker1"`` into the worker and the device.
+
+    The worker is a name, or a rank (``int``) for the ``"rank:N"`` form.
+    """
+    if not isinstance(remote_device, str):
+        raise InvalidArgumentError(
+            f"remote_device must be a str like 'worker1/cpu', got {type(remote_device).__name__}"
+        )
     worker, _, device = remote_device.partition("/")
     device = device or "cpu"
     if not worker:
         raise InvalidArgumentError(
             f"remote_device {remote_device!r} must look like '<worker name>/cpu'"
         )
-    if torch.device(device).type != "cpu":
+    try:
+        device_type = torch.device(device).type
+    except RuntimeError as exc:
+        raise InvalidArgumentError(f"remote_device {remote_device!r}: {exc}") from None
+    if device_type != "cpu":
         raise InvalidArgumentError(
-            f"remote_device {remote_device!r}: actorrpc moves CPU tensors only"
+            f"remote_device {remote_device!r}: actorrpc moves CPU tensors only; "
+            f"use '{worker}/cpu'"
         )
+    if worker.startswith("rank:"):
+        rank = worker[len("rank:"):]
+        if not rank.isdigit():
+            raise InvalidArgumentError(
+                f"remote_device {remote_device!r}: 'rank:' must be followed by a rank"
+            )
+        return int(rank), device
     return worker, device
 
 
@@ -48,7 +71,12 @@ class RemoteModule(torch.nn.Module):
 
     ``forward`` and ``forward_async`` run on the owner; inside a distributed
     autograd context gradients flow through them. ``remote_parameters()``
-    gives RRefs for a :class:`~actorrpc.optim.DistributedOptimizer`.
+    gives RRefs for a :class:`~actorrpc.optim.DistributedOptimizer`;
+    ``train()``/``eval()`` set the mode of the remote module. ``remote_device``
+    is ``"<name>/cpu"`` or ``"rank:<N>/cpu"``; other devices raise ValueError.
+    As in torch, the ``nn.Module`` methods that would act on this empty local
+    shell (``parameters``, ``state_dict``, ``to``, ``children``, ...) raise
+    ValueError instead of silently doing nothing.
 
     Example::
 
@@ -109,6 +137,16 @@ class RemoteModule(torch.nn.Module):
         """The RRef to the module on its owner."""
         return self.module_rref
 
+    def train(self, mode: bool = True) -> RemoteModule:
+        """Set training mode on the remote module (and on this shell)."""
+        current_agent().call(self.owner, _set_training, (self.module_rref, mode), {}).wait()
+        self.training = mode
+        return self
+
+    def eval(self) -> RemoteModule:
+        """Set evaluation mode on the remote module (``train(False)``)."""
+        return self.train(False)
+
     def parameters(self, recurse: bool = True) -> Any:
         raise InvalidArgumentError(
             "RemoteModule does not hold its parameters here; use remote_parameters()"
@@ -116,3 +154,32 @@ class RemoteModule(torch.nn.Module):
 
     def __repr__(self) -> str:
         return f"RemoteModule(owner={self.owner!r}, module={self.module_rref})"
+
+
+# nn.Module methods that would act on the empty local shell instead of the remote
+# module (as in torch, they raise instead of silently doing nothing).
+_UNSUPPORTED = (
+    "add_module", "apply", "bfloat16", "buffers", "children", "cpu", "cuda", "double",
+    "extra_repr", "float", "half", "ipu", "load_state_dict", "modules", "named_buffers",
+    "named_children", "named_modules", "named_parameters", "register_backward_hook",
+    "register_buffer", "register_forward_hook", "register_forward_pre_hook",
+    "register_full_backward_hook", "register_parameter", "requires_grad_", "share_memory",
+    "state_dict", "to", "type", "xpu", "zero_grad",
+)
+
+
+def _not_supported(method: str) -> Any:
+    def raise_not_supported(self: RemoteModule, *args: Any, **kwargs: Any) -> Any:
+        raise InvalidArgumentError(
+            f"Method ``{method}`` not supported for RemoteModule: the module lives on "
+            f"{self.owner.name}; use remote_parameters(), get_module_rref() or an RPC instead"
+        )
+
+    raise_not_supported.__name__ = method
+    raise_not_supported.__qualname__ = f"RemoteModule.{method}"
+    return raise_not_supported
+
+
+for _method in _UNSUPPORTED:
+    setattr(RemoteModule, _method, _not_supported(_method))
+del _method

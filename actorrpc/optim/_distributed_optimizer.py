@@ -9,6 +9,10 @@ Invariants:
   none, so the optimizer leaves the parameter alone) and steps, under a lock
   shared by every local optimizer of that worker: concurrent steps from
   several trainers are serialized per worker, as the original design promises.
+* The caller checks that the context exists on its side; an owner that never
+  took part in the context (no forward or backward reached it) holds no
+  gradients for it, so its parameters are left alone instead of failing.
+* ``param.grad`` is reset to ``None`` after every step, even a failed one.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from typing import Any
 import torch
 
 from ..agent import current_agent
-from ..autograd import _current_context, get_gradients
-from ..errors import InvalidArgumentError
+from ..autograd import _current_context, _retrieve_context
+from ..errors import DistAutogradError, InvalidArgumentError
 from ..rref import RRef, remote
 
 __all__ = ["DistributedOptimizer"]
@@ -43,13 +47,19 @@ class _LocalOptimizer:
         self.optimizer = optimizer_class(self._params, *args, **kwargs)
 
     def step(self, autograd_context_id: int) -> None:
-        gradients = get_gradients(autograd_context_id)
+        """Step with the gradients of the context (none if this worker never saw it)."""
+        try:
+            gradients = _retrieve_context(autograd_context_id).gradients()
+        except DistAutogradError:
+            gradients = {}  # checked by the caller: this worker took no part in the context
         with _LocalOptimizer.step_lock:
-            for param in self._params:
-                param.grad = gradients.get(param)
-            self.optimizer.step()
-            for param in self._params:
-                param.grad = None
+            try:
+                for param in self._params:
+                    param.grad = gradients.get(param)
+                self.optimizer.step()
+            finally:
+                for param in self._params:
+                    param.grad = None
 
 
 def _local_step(optimizer_rref: RRef[_LocalOptimizer], autograd_context_id: int) -> None:
@@ -117,6 +127,8 @@ class DistributedOptimizer:
         """
         if context_id is None:
             context_id = _current_context().context_id
+        else:
+            _retrieve_context(context_id)  # "Could not find autograd context with id: N"
         agent = current_agent()
         _wait_all([
             agent.call(rref.owner(), _local_step, (rref, context_id), {})

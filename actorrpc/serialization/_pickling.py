@@ -207,13 +207,21 @@ def _load_by_value(blob: bytes) -> Any:
     return obj
 
 
+def _code_fingerprint(code: types.CodeType) -> bytes:
+    """Hash of a code object that is stable across processes (nested code included)."""
+    consts = tuple(
+        _code_fingerprint(c) if isinstance(c, types.CodeType) else c for c in code.co_consts
+    )
+    text = repr((code.co_code, consts, code.co_names, code.co_varnames)).encode()
+    return hashlib.blake2b(text, digest_size=16).digest()
+
+
 def _code_digest(obj: Any) -> bytes:
     """A fingerprint of a function's code (a class's: its name), to match definitions."""
     code = getattr(obj, "__code__", None)
     if code is None:
-        return getattr(obj, "__qualname__", "").encode()
-    text = repr((code.co_code, code.co_consts, code.co_names, code.co_varnames)).encode()
-    return hashlib.blake2b(text, digest_size=16).digest()
+        return str(getattr(obj, "__qualname__", "")).encode()
+    return _code_fingerprint(code)
 
 
 def _load_main_or_value(qualname: str, digest: bytes, blob: bytes | None, error: str = "") -> Any:

@@ -229,7 +229,7 @@ class Transport:
         recv = inbox.recv_multipart
         for _ in range(_RECV_BATCH):
             messages.append(recv(copy=False))
-            if not inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not int(inbox.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 break
         return messages
 
