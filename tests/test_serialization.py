@@ -1,0 +1,399 @@
+"""The wire pickler: tensors out of band, code by reference or by value.
+
+Most tests call :func:`actorrpc.serialization.dumps`/``loads`` directly (no
+group needed); the last few round-trip through the session group.
+"""
+
+from __future__ import annotations
+
+import pickle
+import textwrap
+
+import pytest
+import torch
+
+import actorrpc as rpc
+from actorrpc.serialization import dumps, loads
+
+pytestmark = pytest.mark.timeout(60)
+
+DTYPES = [
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+def by_value(payload: bytes) -> bool:
+    """Whether a pickled function/class was shipped by value (dill) rather than by name."""
+    return b"dill" in payload
+
+
+def roundtrip(obj):
+    payload, buffers = dumps(obj)
+    # the receiver gets separate frames: copy each buffer into its own bytes object
+    return loads(payload, [bytearray(b) for b in buffers])
+
+
+def sample(dtype: torch.dtype, shape=(3, 5)) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape).to(dtype)
+    return torch.randint(0, 100, shape).to(dtype)
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert type(a) is type(b)
+    assert a.dtype == b.dtype
+    assert a.shape == b.shape
+    assert torch.equal(a, b)
+
+
+def importable_function(x):
+    return x + 1
+
+
+def make_closure(n):
+    def inner(x):
+        return x * n
+
+    return inner
+
+
+# --- tensors -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_roundtrips(dtype):
+    t = sample(dtype)
+    back = roundtrip(t)
+    assert_same(t, back)
+    payload, buffers = dumps(t)
+    assert sum(b.nbytes for b in buffers) == t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64], ids=str)
+def test_wide_unsigned_dtypes_roundtrip(dtype):
+    t = torch.arange(10).to(dtype)
+    assert_same(t, roundtrip(t))
+
+
+def test_transposed_tensor_keeps_strides():
+    t = torch.arange(12.0).reshape(3, 4).t()
+    back = roundtrip(t)
+    assert_same(t, back)
+    assert back.stride() == t.stride() == (1, 4)
+    assert not back.is_contiguous()
+
+
+def test_permuted_and_expanded_tensors():
+    p = torch.randn(2, 3, 4).permute(2, 0, 1)
+    back = roundtrip(p)
+    assert_same(p, back)
+    assert back.stride() == p.stride()
+    e = torch.randn(3, 1).expand(3, 1000)  # stride 0: only 3 elements travel
+    payload, buffers = dumps(e)
+    assert sum(b.nbytes for b in buffers) == 3 * 4
+    assert_same(e, roundtrip(e))
+
+
+def test_sliced_views_roundtrip():
+    base = torch.arange(100.0).reshape(10, 10)
+    for view in (base[2:5], base[:, 3], base[::2, 1::3], base[4], base[1:9:3, 2:8:2]):
+        assert_same(view.contiguous(), roundtrip(view).contiguous())
+        assert torch.equal(view, roundtrip(view))
+
+
+def test_view_of_big_storage_sends_only_its_bytes():
+    big = torch.zeros(1_000_000)  # 4 MB storage
+    view = big[1000:1010]
+    payload, buffers = dumps(view)
+    assert sum(b.nbytes for b in buffers) == 10 * 4
+    assert len(payload) < 1000
+    back = loads(payload, buffers)
+    assert torch.equal(back, view)
+    assert back.untyped_storage().nbytes() == 40
+
+    column = torch.zeros(1000, 1000)[:, 7]  # gappy view: 1000 elements over 4 MB
+    payload, buffers = dumps(column)
+    assert sum(b.nbytes for b in buffers) == 1000 * 4
+    assert torch.equal(loads(payload, buffers), column)
+
+    row_block = torch.zeros(1000, 1000)[10:12]  # contiguous slice: 2 rows
+    payload, buffers = dumps(row_block)
+    assert sum(b.nbytes for b in buffers) == 2 * 1000 * 4
+
+
+def test_shared_storage_views_in_one_message():
+    base = torch.arange(20.0)
+    a, b = base[:10], base[10:]
+    back = roundtrip({"a": a, "b": b, "again": a})
+    assert torch.equal(back["a"], a) and torch.equal(back["b"], b)
+    assert torch.equal(back["again"], a)
+
+
+def test_tensors_nested_in_containers():
+    obj = {
+        "list": [torch.ones(2), "text", 3, [torch.zeros(1, dtype=torch.int32)]],
+        "tuple": (torch.arange(3), {"inner": torch.eye(2)}),
+        "set": {1, 2},
+        "none": None,
+        7: b"bytes",
+    }
+    back = roundtrip(obj)
+    assert torch.equal(back["list"][0], obj["list"][0])
+    assert back["list"][1:3] == ["text", 3]
+    assert_same(back["list"][3][0], obj["list"][3][0])
+    assert torch.equal(back["tuple"][0], obj["tuple"][0])
+    assert torch.equal(back["tuple"][1]["inner"], torch.eye(2))
+    assert back["set"] == {1, 2} and back["none"] is None and back[7] == b"bytes"
+
+
+def test_requires_grad_kept():
+    leaf = torch.randn(3, requires_grad=True)
+    back = roundtrip(leaf)
+    assert back.requires_grad and back.is_leaf
+    assert torch.equal(back.detach(), leaf.detach())
+    non_leaf = leaf * 2
+    back = roundtrip(non_leaf)
+    assert back.requires_grad
+    assert torch.equal(back.detach(), non_leaf.detach())
+    assert not roundtrip(torch.randn(3)).requires_grad
+
+
+def test_parameter_kept():
+    param = torch.nn.Parameter(torch.randn(2, 3))
+    back = roundtrip(param)
+    assert isinstance(back, torch.nn.Parameter)
+    assert back.requires_grad
+    assert torch.equal(back.detach(), param.detach())
+    frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)
+    back = roundtrip(frozen)
+    assert isinstance(back, torch.nn.Parameter) and not back.requires_grad
+
+
+def test_module_state_dict_roundtrips():
+    module = torch.nn.Linear(4, 3)
+    back = roundtrip(module.state_dict())
+    for key, value in module.state_dict().items():
+        assert torch.equal(back[key], value)
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 4, 2)])
+def test_zero_size_tensors(shape):
+    for dtype in (torch.float32, torch.int64, torch.bool):
+        t = torch.empty(shape, dtype=dtype)
+        back = roundtrip(t)
+        assert back.shape == t.shape and back.dtype == dtype
+
+
+def test_zero_dim_scalars():
+    for t in (torch.tensor(3.5), torch.tensor(7), torch.tensor(True), torch.tensor(1 + 2j)):
+        back = roundtrip(t)
+        assert back.dim() == 0
+        assert_same(t, back)
+        assert back.item() == t.item()
+
+
+def test_received_tensor_is_writable_and_independent():
+    t = torch.arange(5.0)
+    back = roundtrip(t)
+    back += 1  # writable
+    assert torch.equal(t, torch.arange(5.0))  # the sender's tensor is untouched
+
+
+def test_conjugate_and_negative_views_roundtrip():
+    c = torch.randn(4, dtype=torch.complex64)
+    conj = c.conj()
+    assert conj.is_conj()
+    assert torch.equal(roundtrip(conj), conj)
+    neg = torch._neg_view(torch.randn(3))
+    assert neg.is_neg()
+    assert torch.equal(roundtrip(neg), neg)
+
+
+def test_no_tensor_data_in_payload():
+    t = torch.randn(10 * 1024 * 1024 // 4)  # 10 MB
+    payload, buffers = dumps({"weights": t, "step": 3})
+    assert len(payload) < 2000, len(payload)
+    assert sum(b.nbytes for b in buffers) == t.numel() * 4
+    back = loads(payload, buffers)
+    assert torch.equal(back["weights"], t) and back["step"] == 3
+
+
+def test_buffers_are_zero_copy_views():
+    t = torch.randn(1000)
+    _, buffers = dumps(t)
+    assert len(buffers) == 1
+    assert isinstance(buffers[0], memoryview)
+    t[0] = 12345.0  # a view of the tensor's memory, not a copy
+    assert torch.frombuffer(bytearray(buffers[0]), dtype=torch.float32)[0].item() == 12345.0
+
+
+def test_unpicklable_object_raises_serialization_error():
+    import threading
+
+    with pytest.raises(rpc.SerializationError) as info:
+        dumps({"ok": 1, "bad": [0, threading.Lock()]}, "arguments")
+    assert "['bad'][1]" in str(info.value)
+    assert "lock" in str(info.value).lower()
+
+
+def test_garbage_payload_raises_deserialization_error():
+    with pytest.raises(rpc.DeserializationError):
+        loads(b"not a pickle at all")
+    with pytest.raises(rpc.DeserializationError):
+        loads(pickle.dumps(1)[:-2])
+    payload, buffers = dumps(torch.ones(3))
+    with pytest.raises(rpc.DeserializationError):
+        loads(payload, [])  # missing out-of-band buffer
+
+
+# --- code by reference and by value -------------------------------------------------------
+
+
+def test_importable_function_travels_by_reference():
+    payload, buffers = dumps(importable_function)
+    assert not buffers
+    assert b"tests.test_serialization" in payload
+    assert b"importable_function" in payload
+    assert not by_value(payload)
+    assert loads(payload) is importable_function
+    payload, _ = dumps(torch.add)
+    assert not by_value(payload) and len(payload) < 200
+
+
+def test_importable_class_travels_by_reference():
+    payload, _ = dumps(torch.nn.Linear)
+    assert b"torch.nn" in payload and not by_value(payload)
+    assert loads(payload) is torch.nn.Linear
+
+
+def test_lambda_travels_by_value():
+    payload, _ = dumps(lambda x: x * 2 + 1)
+    assert by_value(payload)
+    func = loads(payload)
+    assert func(3) == 7
+
+
+def test_closure_travels_by_value():
+    closure = make_closure(4)
+    payload, _ = dumps(closure)
+    assert by_value(payload)
+    assert loads(payload)(5) == 20
+
+
+def test_main_style_function_and_class_travel_by_value():
+    namespace = {"__name__": "__main__"}
+    exec(
+        textwrap.dedent(
+            """
+            import torch
+            SCALE = 3
+
+            def main_func(x):
+                return torch.ones(2) * x * SCALE
+
+            class MainClass:
+                def value(self):
+                    return "main-class"
+            """
+        ),
+        namespace,
+    )
+    payload, _ = dumps(namespace["main_func"])
+    assert by_value(payload)
+    assert torch.equal(loads(payload)(2), torch.full((2,), 6.0))
+    payload, _ = dumps(namespace["MainClass"])
+    assert by_value(payload)
+    assert loads(payload)().value() == "main-class"
+
+
+def test_receiver_cache_maps_one_definition_to_one_object():
+    func = lambda x: x - 1  # noqa: E731
+    first = loads(dumps(func)[0])
+    second = loads(dumps(func)[0])
+    assert first is second  # one definition -> one object on the receiver
+    assert first(1) == 0
+
+    other = lambda x: x - 2  # noqa: E731 - a different definition
+    assert loads(dumps(other)[0]) is not first
+
+    # a re-defined function (same name, new code) replaces the old one
+    namespace = {"__name__": "__main__"}
+    exec("def g(x):\n    return x + 1\n", namespace)
+    old = loads(dumps(namespace["g"])[0])
+    exec("def g(x):\n    return x + 2\n", namespace)
+    new = loads(dumps(namespace["g"])[0])
+    assert old is not new
+    assert (old(0), new(0)) == (1, 2)
+
+
+def test_sender_cache_notices_changed_code():
+    def f(x):
+        return x + 1
+
+    first = loads(dumps(f)[0])
+    f.__code__ = (lambda x: x + 100).__code__
+    second = loads(dumps(f)[0])
+    assert (first(0), second(0)) == (1, 100)
+
+
+# --- round trips through the group --------------------------------------------------------
+
+
+def echo(obj):
+    return obj
+
+
+def describe(t: torch.Tensor) -> tuple:
+    return (t.dtype, tuple(t.shape), t.stride(), t.requires_grad, type(t).__name__)
+
+
+def test_every_dtype_through_the_group(cluster):
+    tensors = {str(dtype): sample(dtype, (4, 3)) for dtype in DTYPES}
+    back = rpc.rpc_sync("worker1", echo, args=(tensors,))
+    for key, t in tensors.items():
+        assert_same(t, back[key])
+
+
+def test_non_contiguous_through_the_group(cluster):
+    t = torch.arange(24.0).reshape(4, 6).t()
+    assert rpc.rpc_sync("worker1", describe, args=(t,)) == (
+        torch.float32,
+        (6, 4),
+        (1, 6),
+        False,
+        "Tensor",
+    )
+    back = rpc.rpc_sync("worker2", echo, args=(t,))
+    assert back.stride() == t.stride() and torch.equal(back, t)
+    view = torch.arange(1_000_000.0)[500:510:2]
+    assert torch.equal(rpc.rpc_sync("worker1", echo, args=(view,)), view)
+
+
+def test_grad_and_parameter_through_the_group(cluster):
+    param = torch.nn.Parameter(torch.randn(2, 2))
+    leaf = torch.randn(3, requires_grad=True)
+    assert rpc.rpc_sync("worker1", describe, args=(param,))[3:] == (True, "Parameter")
+    assert rpc.rpc_sync("worker1", describe, args=(leaf,))[3:] == (True, "Tensor")
+    back = rpc.rpc_sync("worker2", echo, args=([param, leaf, torch.tensor(2.0)],))
+    assert isinstance(back[0], torch.nn.Parameter) and back[1].requires_grad
+    assert back[2].dim() == 0 and back[2].item() == 2.0
+
+
+def test_zero_size_through_the_group(cluster):
+    back = rpc.rpc_sync("worker1", echo, args=((torch.empty(0), torch.empty(2, 0, 3)),))
+    assert back[0].shape == (0,) and back[1].shape == (2, 0, 3)
