@@ -304,12 +304,6 @@ def test_remote_exception_same_type_with_worker_and_traceback(cluster):
         rpc.remote("worker0", raise_value_error, args=("bad value 45",)).to_here()
 
 
-@pytest.mark.xfail(
-    reason="BUG: rref/_remote.py _handle_fetch raises the stored error inside a torch "
-    "Future.then() callback, which torch wraps into RuntimeError('Got the following error when "
-    "running the callback: ...'), so to_here() on a user RRef loses the original type",
-    strict=True,
-)
 def test_remote_exception_same_type_on_to_here(cluster):
     rref = rpc.remote("worker1", raise_value_error, args=("bad value 44",))
     for _ in range(2):
@@ -378,11 +372,6 @@ def test_unpicklable_argument_raises_locally(cluster):
     assert rpc.rpc_sync("worker1", whoami) == "worker1"
 
 
-@pytest.mark.xfail(
-    reason="BUG: SerializationError names the element as 'arguments[1][0]' (the internal "
-    "(func, args, kwargs, meta) wire tuple) instead of 'args[0]' / \"kwargs['obj']\"",
-    strict=True,
-)
 def test_unpicklable_argument_error_names_args_path(cluster):
     lock = threading.Lock()
     with pytest.raises(rpc.SerializationError) as info:

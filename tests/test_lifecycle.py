@@ -218,14 +218,6 @@ def test_reinit_after_shutdown_in_same_process(runs):
         assert result["round2_infos"] == [["worker0", 0], ["worker1", 1]]
 
 
-@pytest.mark.xfail(
-    reason="BUG: re-init races the store host's shutdown. agent/_rendezvous.py: rank 0 hosts "
-    "the TCPStore and destroys it in Rendezvous.close() at the end of shutdown, but ranks != 0 "
-    "return from shutdown before rank 0 does (only rank 0 waits at the 'done' barrier). A rank "
-    "that re-inits at once reaches the old store, takes generation 1 there, and then loses it "
-    "(DistNetworkError), while rank 0 waits on a new store for a client that never comes",
-    strict=True,
-)
 def test_reinit_while_store_host_is_still_leaving(runs):
     worker0 = _result(runs, "lifecycle", 0)
     assert worker0["race_setup"] == "ok", "the scenario could not hold worker0's store open"
@@ -249,13 +241,6 @@ def test_duplicate_names_fail_on_every_worker(runs):
     _assert_error(errors[0], "RendezvousError", "'dup'", "not unique")
 
 
-@pytest.mark.xfail(
-    reason="BUG: agent/_rendezvous.py Rendezvous.group_secret()/join() let torch's "
-    "DistNetworkError escape when the store host goes away mid-rendezvous (e.g. rank 0 found a "
-    "duplicate name, raised and closed its store first), instead of a RendezvousError naming the "
-    "store; so with duplicate names, ranks != 0 often get a raw DistNetworkError",
-    strict=True,
-)
 def test_lost_store_during_rendezvous_raises_rendezvous_error(runs):
     result = _result(runs, "failures")
     assert result["lost_store_rank1_connected"] is True
@@ -269,13 +254,6 @@ def test_world_that_never_fills(runs):
     assert error["elapsed"] < 3 + 3, error  # init_timeout 3 s (torch's store adds ~1 s)
 
 
-@pytest.mark.xfail(
-    reason="BUG: with tcp:// the master's TCPStore is built by dist.rendezvous with "
-    "wait_for_workers=True, so it fails inside torch ('1/3 clients joined') before "
-    "Rendezvous.join() can name the missing ranks; build the store with wait_for_workers=False "
-    "(agent/_rendezvous.py Rendezvous.__init__) and let join() report them",
-    strict=True,
-)
 def test_world_that_never_fills_names_missing_ranks(runs):
     error = _result(runs, "failures")["never_fills"]
     _assert_error(error, "RendezvousError", "[1, 2]")
@@ -366,13 +344,6 @@ def test_main_function_differing_from_receivers_main_runs_senders_code(runs):
     assert _result(runs, "lifecycle", 0)["shadowed_func"] == "sender"
 
 
-@pytest.mark.xfail(
-    reason="BUG: serialization/_pickling.py _code_digest() fingerprints a class by its "
-    "__qualname__ only, so _load_main_or_value() swaps a __main__ class shipped by value for "
-    "any receiver __main__ class of the same name, even with different methods; digest the "
-    "class body (methods' code) too",
-    strict=True,
-)
 def test_main_class_differing_from_receivers_main_runs_senders_code(runs):
     assert _result(runs, "lifecycle", 0)["shadowed_class"] == "sender"
 

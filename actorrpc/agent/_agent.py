@@ -80,6 +80,11 @@ __all__ = [
 
 _log = logging.getLogger("actorrpc.agent")
 _MAX_POLL = 0.05
+_CALL_FIELDS = ("func", "args", "kwargs", "meta")
+_PAYLOAD_FIELDS: dict[MessageKind, Any] = {
+    MessageKind.CALL: _CALL_FIELDS,
+    MessageKind.REMOTE_CALL: _CALL_FIELDS,
+}
 _WARN_INTERVAL = 5.0
 
 
@@ -261,7 +266,7 @@ class Agent:
         timeout = self.effective_timeout(timeout)
         message_id = next(self._message_ids)
         with pickling_for(dest.id):
-            body, buffers = dumps(payload, "arguments")
+            body, buffers = dumps(payload, _PAYLOAD_FIELDS.get(kind, "arguments"))
         future: Future[Any] = Future(lambda: f"{description or kind.name} on {dest.name}", self)
         self._pending[message_id] = PendingCall(future, dest, description, timeout, on_result)
         if timeout > 0:

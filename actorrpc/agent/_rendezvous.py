@@ -14,14 +14,16 @@ Shutdown barriers use the same key space (:class:`StoreBarrier`).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import pickle
 import secrets
 import socket
+import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -112,6 +114,60 @@ def _describe_init_method(init_method: str) -> str:
     return init_method
 
 
+_hosted_stores: dict[tuple[str, int], Any] = {}
+_hosted_lock = threading.Lock()
+
+
+def _open_store(init_method: str, rank: int, world_size: int, timeout: float) -> Any:
+    """Connect to (rank 0: host) the c10d TCPStore named by ``init_method``.
+
+    Rank 0 keeps the store it hosts for the life of the process, so a peer
+    that re-initializes quickly after ``shutdown`` still finds it, and a group
+    formed again on the same address continues its generation count. Under
+    torchrun's agent store, or for other URL schemes, torch's own
+    ``rendezvous`` handler is used.
+    """
+    master = master_address(init_method)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if master is None or (agent_store and init_method.startswith("env://")):
+        store, _, _ = next(
+            dist.rendezvous(
+                init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            )
+        )
+        return store
+    host, port = master
+    if rank != 0:
+        return dist.TCPStore(
+            host, port, None, False, timedelta(seconds=timeout), wait_for_workers=False
+        )
+    with _hosted_lock:
+        store = _hosted_stores.get((host, port))
+        if store is None:
+            for key in list(_hosted_stores):
+                del _hosted_stores[key]  # a new address: stop hosting the old ones
+            store = dist.TCPStore(
+                host, port, None, True, timedelta(seconds=timeout),
+                wait_for_workers=False, multi_tenant=True,
+            )
+            _hosted_stores[(host, port)] = store
+        return store
+
+
+@contextlib.contextmanager
+def _store_errors(what: str) -> Iterator[None]:
+    """Map the store's own errors (a peer closed it, a timeout) to :class:`RendezvousError`."""
+    try:
+        yield
+    except RendezvousError:
+        raise
+    except Exception as exc:
+        raise RendezvousError(
+            f"{what} failed: the rendezvous store is unreachable or closed "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from exc
+
+
 class Rendezvous:
     """The store connection of one ``init_rpc``; lives until ``shutdown`` finishes."""
 
@@ -128,16 +184,9 @@ class Rendezvous:
                     f"init_method env:// needs the environment variables {', '.join(missing)}"
                 )
         try:
-            store, _, _ = next(
-                dist.rendezvous(
-                    init_method,
-                    rank=rank,
-                    world_size=world_size,
-                    timeout=timedelta(seconds=timeout),
-                )
-            )
-        except StopIteration as exc:
-            raise RendezvousError(f"no rendezvous store from {where}") from exc
+            store = _open_store(init_method, rank, world_size, timeout)
+        except RendezvousError:
+            raise
         except Exception as exc:
             raise RendezvousError(
                 f"rank {rank} could not reach the rendezvous store at {where} within "
@@ -158,12 +207,17 @@ class Rendezvous:
     def group_secret(self, own_secret: str | None) -> str:
         if own_secret:
             return own_secret
-        if self.rank == 0:
-            self.store.set("secret", secrets.token_hex(32))
-        return bytes(self.store.get("secret")).decode()
+        with _store_errors(f"rank {self.rank} reading the group secret"):
+            if self.rank == 0:
+                self.store.set("secret", secrets.token_hex(32))
+            return bytes(self.store.get("secret")).decode()
 
     def join(self, name: str, endpoint: str, identity: bytes) -> list[GroupMember]:
         """Publish this worker and return every member, ordered by rank."""
+        with _store_errors(f"rank {self.rank} ({name!r}) joining the group"):
+            return self._join(name, endpoint, identity)
+
+    def _join(self, name: str, endpoint: str, identity: bytes) -> list[GroupMember]:
         if int(self.store.add(f"claim/{self.rank}", 1)) > 1:
             raise self._fail(
                 f"rank {self.rank} was claimed by two workers (this one is named {name!r}); "
@@ -191,7 +245,7 @@ class Rendezvous:
         seen: dict[str, int] = {}
         for member in members:
             if member.name in seen:
-                raise RendezvousError(
+                raise self._fail(
                     f"worker name {member.name!r} is not unique: ranks {seen[member.name]} "
                     f"and {member.rank} both use it"
                 )

@@ -217,11 +217,18 @@ def _code_fingerprint(code: types.CodeType) -> bytes:
 
 
 def _code_digest(obj: Any) -> bytes:
-    """A fingerprint of a function's code (a class's: its name), to match definitions."""
+    """A fingerprint of a function's code, or of a class's name, bases and methods."""
     code = getattr(obj, "__code__", None)
-    if code is None:
-        return str(getattr(obj, "__qualname__", "")).encode()
-    return _code_fingerprint(code)
+    if code is not None:
+        return _code_fingerprint(code)
+    if isinstance(obj, type):
+        parts = [obj.__qualname__.encode(), *(b.__qualname__.encode() for b in obj.__bases__)]
+        for name, member in sorted(vars(obj).items()):
+            function = getattr(member, "__func__", member)  # static/class methods
+            if isinstance(function, types.FunctionType):
+                parts.append(name.encode() + _code_fingerprint(function.__code__))
+        return hashlib.blake2b(b"|".join(parts), digest_size=16).digest()
+    return str(getattr(obj, "__qualname__", "")).encode()
 
 
 def _load_main_or_value(qualname: str, digest: bytes, blob: bytes | None, error: str = "") -> Any:
@@ -344,8 +351,23 @@ def _dump(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
     return payload, buffers
 
 
-def dumps(obj: Any, what: str = "object") -> tuple[bytes, list[memoryview]]:
+def _locate(obj: Any, what: str | Sequence[str]) -> str:
+    if isinstance(what, str):
+        return _find_unpicklable(obj, what) or _describe(obj)
+    # ``what`` names the fields of a tuple payload, e.g. ("func", "args", "kwargs")
+    for name, field in zip(what, obj):
+        try:
+            _dump(field)
+        except Exception:
+            return _find_unpicklable(field, name) or f"{name} = {_describe(field)}"
+    return _describe(obj)
+
+
+def dumps(obj: Any, what: str | Sequence[str] = "object") -> tuple[bytes, list[memoryview]]:
     """Pickle ``obj`` into a payload and its out-of-band buffers.
+
+    ``what`` names ``obj`` (or, as a sequence, the fields of a tuple ``obj``)
+    in the error message.
 
     Raises:
         SerializationError: naming the element that cannot be pickled.
@@ -355,7 +377,7 @@ def dumps(obj: Any, what: str = "object") -> tuple[bytes, list[memoryview]]:
     except SerializationError:
         raise
     except Exception as exc:
-        culprit = _find_unpicklable(obj, what) or _describe(obj)
+        culprit = _locate(obj, what)
         raise SerializationError(f"cannot pickle {culprit}: {type(exc).__name__}: {exc}") from exc
     return payload, [b.raw() for b in buffers]
 
