@@ -138,8 +138,11 @@ def _open_store(init_method: str, rank: int, world_size: int, timeout: float) ->
         return store
     host, port = master
     if rank != 0:
+        deadline = time.monotonic() + timeout
+        _wait_until_listening(host, port, deadline, init_method)
+        remaining = max(1.0, deadline - time.monotonic())
         return dist.TCPStore(
-            host, port, None, False, timedelta(seconds=timeout), wait_for_workers=False
+            host, port, None, False, timedelta(seconds=remaining), wait_for_workers=False
         )
     with _hosted_lock:
         store = _hosted_stores.get((host, port))
@@ -152,6 +155,23 @@ def _open_store(init_method: str, rank: int, world_size: int, timeout: float) ->
             )
             _hosted_stores[(host, port)] = store
         return store
+
+
+def _wait_until_listening(host: str, port: int, deadline: float, init_method: str) -> None:
+    """Poll until the store's port accepts connections; our own deadline, not the client's."""
+    interval = _POLL_INTERVAL
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise RendezvousError(
+                    f"the rendezvous master at {_describe_init_method(init_method)} is "
+                    f"unreachable: nothing accepted a connection before the init timeout ({exc})"
+                ) from exc
+        time.sleep(interval)
+        interval = min(interval * 2, _MAX_POLL_INTERVAL)
 
 
 @contextlib.contextmanager
