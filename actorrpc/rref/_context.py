@@ -1,26 +1,47 @@
-"""Per-worker bookkeeping of the Remote Reference Protocol.
+"""Per-worker bookkeeping and state machine of the Remote Reference Protocol.
+
+:class:`RRefContext` holds the tables of one worker and implements every
+protocol transition as a method. It never touches sockets: control messages it
+wants sent go through the ``send_control(dest_rank, kind, payload)`` callable it
+was built with (the agent plug-in in ``_remote.py`` turns them into
+RREF_USER_DELETE / RREF_CHILD_ACCEPT requests; the unit tests into an in-memory
+list). The only request with a reply, RREF_FORK_REQUEST, is sent by the caller
+of :meth:`RRefContext.receive_user` when it returns ``True``; its ack is fed back
+through :meth:`RRefContext.fork_acknowledged`.
 
 Tables (one :class:`RRefContext` per agent):
 
 * ``owners[rref_id]``: the :class:`OwnerState` (the value) of every owner RRef
-  that has been forked at least once.
+  that has been forked at least once, or that a request named before its
+  creation arrived ("pending owner"). Held strongly.
 * ``forks[rref_id]``: the fork ids the owner knows of; this set is the
-  reference count. When it becomes empty the owner entry is erased.
+  reference count. When it becomes empty the owner entry is erased, and the
+  value is freed unless local code still references it.
 * ``pending_users[fork_id]``: user RRefs not yet confirmed by their owner,
   held strongly, so they cannot send a delete before the owner knows them.
 * ``pending_children[fork_id]``: the parent RRef of every fork sent out and not
   yet accepted, held strongly (guarantee G2: a parent outlives the unconfirmed
   child).
-* ``confirmed_users[fork_id]``: weak references to live confirmed users.
+* ``confirmed_users[fork_id]``: weak references to live confirmed users (the
+  deletes to send at graceful shutdown).
+* ``local_states[rref_id]``: weak references to every live :class:`OwnerState`
+  of this worker, forked or not.
+* tombstones: the most recent deleted fork ids (bounded, see
+  :attr:`RRefContext.TOMBSTONE_LIMIT`).
 
-Ordering invariants:
+Invariants:
 
-* A user sends RREF_USER_DELETE only after it is confirmed (G1 with G2), so the
-  owner never sees a delete before the fork it deletes.
-* The parent keeps its own fork until RREF_CHILD_ACCEPT, which the child sends
-  only after the owner acknowledged RREF_FORK_REQUEST.
+* G1: every confirmed user RRef sends exactly one RREF_USER_DELETE to its
+  owner, when it is garbage or at graceful shutdown, never before it is
+  confirmed; so the owner's fork set only shrinks through deletes it was sent.
+* G2: the parent of a fork stays in ``pending_children`` until RREF_CHILD_ACCEPT,
+  which the child sends only after the owner acknowledged RREF_FORK_REQUEST (or,
+  for a fork sent to the owner itself, once it arrived there).
 * Every control message is idempotent: adding a known fork, deleting an unknown
-  one, or accepting an unknown child changes nothing.
+  one, accepting an unknown child or acknowledging a confirmed user changes
+  nothing. A fork add (RREF_FORK_REQUEST or a REMOTE_CALL) arriving after the
+  delete of the same fork id finds its tombstone and neither registers the fork
+  nor creates an owner entry.
 """
 
 from __future__ import annotations
@@ -30,19 +51,22 @@ import logging
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ..errors import RRefError
+from ..errors import RpcTimeoutError, RRefError
 
-if TYPE_CHECKING:
-    from ._rref import RRef
-
-__all__ = ["GloballyUniqueId", "OwnerState", "RRefContext"]
+__all__ = ["CHILD_ACCEPT", "USER_DELETE", "GloballyUniqueId", "OwnerState", "RRefContext"]
 
 _log = logging.getLogger("actorrpc.rref")
+
+USER_DELETE = "user_delete"
+"""Control kind: payload ``(rref_id, fork_id)``, sent to the owner."""
+CHILD_ACCEPT = "child_accept"
+"""Control kind: payload ``(fork_id,)``, sent to the parent of a fork."""
 
 
 class GloballyUniqueId(NamedTuple):
@@ -55,30 +79,60 @@ class GloballyUniqueId(NamedTuple):
         return f"GloballyUniqueId(created_on={self.created_on}, local_id={self.local_id})"
 
 
+class Handle(Protocol):
+    """What the context reads and writes on an RRef handle (see ``_rref.RRef``)."""
+
+    _rref_id: GloballyUniqueId
+    _fork_id: GloballyUniqueId | None
+    _state: OwnerState | None
+    _confirmed: bool
+    _deleted: bool
+    _creation_error: BaseException | None
+
+    @property
+    def _owner_rank(self) -> int: ...
+
+
+SendControl = Callable[[int, str, tuple[Any, ...]], Any]
+
+
 class OwnerState:
-    """The value held by an owner RRef, or the error that creating it raised."""
+    """The value held by an owner RRef, or the error that creating it raised.
+
+    Also holds the per-caller FIFO queues of actor calls on this value
+    (``actor_queues``, managed by ``_proxy.py``), so they live exactly as long
+    as the value can still be called.
+    """
 
     def __init__(self, rref_id: GloballyUniqueId, type_name: str = "") -> None:
         self.rref_id = rref_id
         self.ready: torch.futures.Future[Any] = torch.futures.Future()
         self._event = threading.Event()
+        self._set_lock = threading.Lock()
         self.type_name = type_name
+        self.actor_queues: dict[Any, Any] = {}
+        self.actor_lock = threading.Lock()
 
     def set_value(self, value: Any) -> None:
-        if not self._event.is_set():
+        """Complete with ``value`` (the first completion wins)."""
+        with self._set_lock:
+            if self._event.is_set():
+                return
             self.type_name = type(value).__qualname__
-            self.ready.set_result(value)
             self._event.set()
+        self.ready.set_result(value)
 
     def set_error(self, error: BaseException) -> None:
-        if not self._event.is_set():
-            self.ready.set_exception(error)
+        """Complete with ``error`` (the first completion wins)."""
+        with self._set_lock:
+            if self._event.is_set():
+                return
             self._event.set()
+        self.ready.set_exception(error)
 
     def wait(self, timeout: float) -> Any:
+        """The value (or raise its error); ``timeout <= 0`` waits forever."""
         if not self._event.wait(timeout if timeout > 0 else None):
-            from ..errors import RpcTimeoutError
-
             raise RpcTimeoutError(
                 f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) waiting for "
                 f"the value of RRef {self.rref_id!r} to be created"
@@ -90,30 +144,47 @@ class OwnerState:
 
 
 class RRefContext:
-    """The RRef tables of one worker (see the module docstring)."""
+    """The RRef tables of one worker and the protocol transitions on them."""
 
-    def __init__(self, rank: int, send_control: Callable[[int, Any, Any], Any]) -> None:
+    TOMBSTONE_LIMIT = 1 << 16
+    """Deleted fork ids remembered; a fork add later than this many deletes is not caught."""
+
+    def __init__(self, rank: int, send_control: SendControl) -> None:
         self.rank = rank
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._send_control = send_control
         self.owners: dict[GloballyUniqueId, OwnerState] = {}
         self.forks: dict[GloballyUniqueId, set[GloballyUniqueId]] = {}
-        self.pending_users: dict[GloballyUniqueId, RRef[Any]] = {}
-        self.pending_children: dict[GloballyUniqueId, RRef[Any]] = {}
-        self.confirmed_users: dict[GloballyUniqueId, weakref.ref[RRef[Any]]] = {}
-        self.deleted_forks: set[GloballyUniqueId] = set()
+        self.pending_users: dict[GloballyUniqueId, Handle] = {}
+        self.pending_children: dict[GloballyUniqueId, Handle] = {}
+        self.confirmed_users: dict[GloballyUniqueId, weakref.ref[Any]] = {}
+        self._tombstones: OrderedDict[GloballyUniqueId, None] = OrderedDict()
         self.local_states: weakref.WeakValueDictionary[GloballyUniqueId, OwnerState] = (
             weakref.WeakValueDictionary()
         )
+        self.call_sequences: dict[GloballyUniqueId, Any] = {}  # caller side, see _proxy.py
         self.closed = False
 
     def new_id(self) -> GloballyUniqueId:
         return GloballyUniqueId(self.rank, next(self._ids))
 
-    # -- owner side -------------------------------------------------------------------
+    def _emit(self, dest: int, kind: str, payload: tuple[Any, ...]) -> None:
+        """Send a control message; a child accept to this worker is applied at once."""
+        if kind == CHILD_ACCEPT and dest == self.rank:
+            self.accept_child(payload[0])
+            return
+        self._send_control(dest, kind, payload)
+
+    # -- owner side: tables -------------------------------------------------------------
+
+    def register_local(self, state: OwnerState) -> None:
+        """Make an owner state findable by id while anything holds it (not a fork)."""
+        with self._lock:
+            self.local_states[state.rref_id] = state
 
     def get_or_create_owner(self, rref_id: GloballyUniqueId) -> OwnerState:
+        """The owner state of ``rref_id``, entered in ``owners`` (created if unknown)."""
         with self._lock:
             state = self.owners.get(rref_id)
             if state is None:
@@ -129,36 +200,26 @@ class RRefContext:
                 self.forks.pop(rref_id, None)
                 self.owners.pop(rref_id, None)
 
-    def find_owner(self, rref_id: GloballyUniqueId) -> OwnerState:
+    def is_tombstoned(self, fork_id: GloballyUniqueId) -> bool:
         with self._lock:
-            state = self.owners.get(rref_id)
-        if state is None:
-            raise RRefError(
-                f"worker {self.rank} owns no RRef {rref_id!r} (it was deleted, or never existed)"
-            )
-        return state
+            return fork_id in self._tombstones
 
     def add_fork(self, state: OwnerState, fork_id: GloballyUniqueId) -> None:
-        """Register a fork of an owner RRef (early registration when the owner forks)."""
+        """Register a fork of an owner RRef, unless it was already deleted (tombstone)."""
         with self._lock:
+            if fork_id in self._tombstones:
+                return
             self.owners.setdefault(state.rref_id, state)
-            forks = self.forks.setdefault(state.rref_id, set())
-            if fork_id not in self.deleted_forks:
-                forks.add(fork_id)
-
-    def add_fork_by_id(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
-        with self._lock:
-            state = self.owners.get(rref_id)
-            if state is None:
-                raise RRefError(
-                    f"fork request for RRef {rref_id!r}, which worker {self.rank} does not own"
-                )
-            self.add_fork(state, fork_id)
+            self.local_states[state.rref_id] = state
+            self.forks.setdefault(state.rref_id, set()).add(fork_id)
 
     def delete_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         """Idempotently drop a fork; erase the owner entry when none is left."""
         with self._lock:
-            self.deleted_forks.add(fork_id)
+            self._tombstones[fork_id] = None
+            self._tombstones.move_to_end(fork_id)
+            while len(self._tombstones) > self.TOMBSTONE_LIMIT:
+                self._tombstones.popitem(last=False)
             forks = self.forks.get(rref_id)
             if forks is None:
                 return
@@ -167,39 +228,155 @@ class RRefContext:
                 del self.forks[rref_id]
                 self.owners.pop(rref_id, None)
 
+    # -- owner side: protocol transitions -----------------------------------------------
+
+    def on_remote_call(
+        self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId | None
+    ) -> OwnerState:
+        """REMOTE_CALL(rref_id, fork_id) arrived: the state to store the result in.
+
+        ``fork_id`` is ``None`` for ``remote()`` to this worker itself (the
+        caller's handle is the owner RRef). If the creator already deleted its
+        fork (its ``remote()`` timed out and the handle was dropped), the value
+        is still computed but no table entry is made, so it is freed at once.
+        """
+        with self._lock:
+            if fork_id is not None and fork_id in self._tombstones:
+                state = self.owners.get(rref_id) or self.local_states.get(rref_id)
+                if state is None:
+                    state = OwnerState(rref_id)
+                    self.local_states[rref_id] = state
+                return state
+            state = self.get_or_create_owner(rref_id)
+            if fork_id is not None:
+                self.add_fork(state, fork_id)
+            return state
+
+    def on_fork_request(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+        """RREF_FORK_REQUEST: register the fork (the reply is the ack)."""
+        with self._lock:
+            if fork_id in self._tombstones:
+                return  # a duplicate arriving after the fork's delete
+            self.add_fork(self.get_or_create_owner(rref_id), fork_id)
+
+    def on_user_delete(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+        """RREF_USER_DELETE."""
+        self.delete_fork(rref_id, fork_id)
+
+    def on_child_accept(self, fork_id: GloballyUniqueId) -> None:
+        """RREF_CHILD_ACCEPT (on the parent)."""
+        self.accept_child(fork_id)
+
+    def receive_at_owner(
+        self,
+        rref_id: GloballyUniqueId,
+        fork_id: GloballyUniqueId | None,
+        parent: int | None,
+    ) -> OwnerState:
+        """An RRef this worker owns arrived in a message; return its state.
+
+        * ``fork_id is None``: sent by this owner to itself before forks were
+          registered for self-sends (kept for safety): just look it up.
+        * ``parent is None``: the owner forked it to itself; that fork kept the
+          value alive in flight and is dropped now.
+        * otherwise case 2 (a user sent it back to the owner): accept the child
+          so the parent may go (no fork is registered).
+        """
+        with self._lock:
+            state = self.local_states.get(rref_id) or self.get_or_create_owner(rref_id)
+        if fork_id is not None:
+            if parent is None:
+                self.delete_fork(rref_id, fork_id)
+            else:
+                self._emit(parent, CHILD_ACCEPT, (fork_id,))
+        return state
+
     # -- user side ----------------------------------------------------------------------
 
-    def add_pending_user(self, rref: RRef[Any]) -> None:
+    def fork_for(self, handle: Handle, target: int) -> tuple[GloballyUniqueId, int | None]:
+        """A handle is being sent to ``target``: the new fork id and the parent rank.
+
+        The owner registers the fork at once (early registration, case 3, and
+        sends to itself); a user keeps the handle as the parent of the new fork
+        in ``pending_children`` until the child is accepted (G2, cases 2 and 4).
+        """
+        if handle._state is not None:
+            fork_id = self.new_id()
+            self.add_fork(handle._state, fork_id)
+            return fork_id, None
+        if handle._creation_error is not None:
+            raise RRefError(
+                f"cannot share {handle}: its creation failed: {handle._creation_error}"
+            )
+        fork_id = self.new_id()
+        self.add_pending_child(fork_id, handle)
+        return fork_id, self.rank
+
+    def receive_user(self, handle: Handle, parent: int | None) -> bool:
+        """A user handle arrived; ``True`` when RREF_FORK_REQUEST must go to the owner.
+
+        ``parent is None`` means the owner itself sent it (case 3): the owner
+        registered the fork before sending, so the handle is confirmed now.
+        """
+        if parent is None:
+            handle._confirmed = True
+            self.add_confirmed_user(handle)
+            return False
+        self.add_pending_user(handle)
+        return True
+
+    def fork_acknowledged(self, fork_id: GloballyUniqueId, parent: int) -> None:
+        """The owner acked RREF_FORK_REQUEST: confirm the child, release its parent."""
+        self.confirm_user(fork_id)
+        self._emit(parent, CHILD_ACCEPT, (fork_id,))
+
+    def add_pending_user(self, handle: Handle) -> None:
+        assert handle._fork_id is not None
         with self._lock:
-            self.pending_users[rref._fork_id] = rref
+            self.pending_users[handle._fork_id] = handle
+
+    def forget_pending_user(self, fork_id: GloballyUniqueId) -> None:
+        """A pending user whose creating message was never sent: drop it silently."""
+        with self._lock:
+            handle = self.pending_users.pop(fork_id, None)
+            if handle is not None:
+                handle._deleted = True  # never known to the owner: no delete to send
 
     def confirm_user(self, fork_id: GloballyUniqueId) -> None:
+        """The owner knows this user (REMOTE_RET or fork ack); idempotent."""
         with self._lock:
-            rref = self.pending_users.pop(fork_id, None)
-            if rref is not None:
-                rref._confirmed = True
-                self.confirmed_users[fork_id] = weakref.ref(rref)
+            handle = self.pending_users.pop(fork_id, None)
+            if handle is not None:
+                handle._confirmed = True
+                self.confirmed_users[fork_id] = weakref.ref(handle)
+        # ``handle`` may be the last reference: its deletion (and G1 delete) happens here,
+        # outside the lock.
+        del handle
 
-    def add_confirmed_user(self, rref: RRef[Any]) -> None:
+    def add_confirmed_user(self, handle: Handle) -> None:
+        assert handle._fork_id is not None
         with self._lock:
-            self.confirmed_users[rref._fork_id] = weakref.ref(rref)
+            self.confirmed_users[handle._fork_id] = weakref.ref(handle)
 
-    def add_pending_child(self, fork_id: GloballyUniqueId, parent: RRef[Any]) -> None:
+    def add_pending_child(self, fork_id: GloballyUniqueId, parent: Handle) -> None:
         with self._lock:
             self.pending_children[fork_id] = parent
 
     def accept_child(self, fork_id: GloballyUniqueId) -> None:
+        """Release the parent held for ``fork_id`` (idempotent)."""
         with self._lock:
-            self.pending_children.pop(fork_id, None)
+            parent = self.pending_children.pop(fork_id, None)
+        del parent  # may be the last reference: the parent's own delete goes out now
 
-    def user_deleted(self, rref: RRef[Any]) -> None:
-        """Called when a confirmed user RRef is garbage: tell the owner (G1)."""
+    def user_deleted(self, handle: Handle) -> None:
+        """A confirmed user RRef is garbage: tell the owner (G1), once."""
         with self._lock:
-            self.confirmed_users.pop(rref._fork_id, None)
-            if self.closed or rref._deleted:
+            if handle._fork_id is not None:
+                self.confirmed_users.pop(handle._fork_id, None)
+            if self.closed or handle._deleted or not handle._confirmed:
                 return
-            rref._deleted = True
-        self._send_control(rref._owner.id, rref._rref_id, rref._fork_id)
+            handle._deleted = True
+        self._emit(handle._owner_rank, USER_DELETE, (handle._rref_id, handle._fork_id))
 
     def delete_all_users(self) -> int:
         """Send a delete for every live confirmed user (graceful shutdown); return how many."""
@@ -207,14 +384,17 @@ class RRefContext:
             users = [ref() for ref in self.confirmed_users.values()]
             self.confirmed_users.clear()
         count = 0
-        for rref in users:
-            if rref is not None and not rref._deleted:
-                rref._deleted = True
-                self._send_control(rref._owner.id, rref._rref_id, rref._fork_id)
+        for handle in users:
+            if handle is not None and not handle._deleted:
+                handle._deleted = True
+                self._emit(handle._owner_rank, USER_DELETE, (handle._rref_id, handle._fork_id))
                 count += 1
         return count
 
+    # -- inspection -----------------------------------------------------------------------
+
     def wait_until(self, condition: Callable[[], bool], deadline: float) -> bool:
+        """Poll ``condition`` with back-off until true (``True``) or ``deadline`` (``False``)."""
         interval = 0.001
         while not condition():
             if time.monotonic() >= deadline:

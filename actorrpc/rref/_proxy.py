@@ -1,15 +1,30 @@
 """RRef proxies (``rref.rpc_sync().method(...)``) and per-caller FIFO actor calls.
 
-Calls through a proxy from one caller to one owner value run on the owner in
-the order the caller made them (per-caller FIFO): each carries a sequence
-number per (caller, RRef), and the owner holds back a call until its
-predecessor has started and finished. A value whose class sets
-``__actorrpc_concurrent__ = True`` opts out and runs calls concurrently.
+Calls through a proxy from one caller worker to one owner value start on the
+owner in the order the caller made them (per-caller FIFO): each carries a
+sequence number per (caller, RRef), and the owner holds back a call until its
+predecessor has run (for an ``async_execution`` method: until it returned its
+Future). A value whose class sets ``__actorrpc_concurrent__ = True`` opts out
+and runs calls concurrently.
+
+Invariants:
+
+* Caller side: a sequence number is consumed only by a call that was sent. The
+  number is taken and the message sent under the (caller, RRef) lock, and a
+  send that raises (e.g. an unpicklable argument) gives the number back. The
+  counters live in the caller's :class:`RRefContext` (``call_sequences``), so a
+  new RPC session starts from 0.
+* Owner side: the queues live on the value's :class:`OwnerState`, so they go
+  with the value and never outlive it. Every sequence number that reaches the
+  owner is used exactly once: the call runs (its errors, even a missing method,
+  become the call's result in order), or, when the call dies before
+  :func:`invoke_method` (its payload did not unpickle, or the serving failed),
+  the number's :class:`_Ticket` is freed unclaimed and skips it, so later calls
+  never wait forever for it.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -17,21 +32,65 @@ from typing import Any
 import torch
 
 from ..agent import current_agent
-from ._rref import RRef
+from ._context import GloballyUniqueId, OwnerState, RRefContext
+from ._rref import RRef, rref_context
 
 __all__ = ["RRefProxy", "fetch_type", "invoke_method", "rref_backward"]
 
-_sequence_lock = threading.Lock()
-_next_sequence: dict[tuple[Any, ...], itertools.count[int]] = {}
+
+class _CallerSequence:
+    """The next sequence number of this worker's calls on one RRef."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.next = 0
 
 
-def _take_sequence(rref: RRef[Any]) -> int:
-    key = (id(rref._agent), rref._rref_id)
-    with _sequence_lock:
-        counter = _next_sequence.get(key)
-        if counter is None:
-            counter = _next_sequence[key] = itertools.count()
-    return next(counter)
+_sequences_lock = threading.Lock()
+
+
+def _caller_sequence(ctx: RRefContext, rref_id: GloballyUniqueId) -> _CallerSequence:
+    with _sequences_lock:
+        sequence: _CallerSequence | None = ctx.call_sequences.get(rref_id)
+        if sequence is None:
+            sequence = ctx.call_sequences[rref_id] = _CallerSequence()
+        return sequence
+
+
+class _CallOrder:
+    """Caller side of a sequence number; becomes a :class:`_Ticket` on the owner."""
+
+    def __init__(self, rref_id: GloballyUniqueId, caller: int, seq: int) -> None:
+        self.rref_id = rref_id
+        self.caller = caller
+        self.seq = seq
+
+    def __reduce__(self) -> Any:
+        return _Ticket, (self.rref_id, self.caller, self.seq)
+
+
+class _Ticket:
+    """Owner side of a sequence number: claimed by :func:`invoke_method`, else skipped."""
+
+    def __init__(self, rref_id: GloballyUniqueId, caller: int, seq: int) -> None:
+        self.rref_id = rref_id
+        self.caller = caller
+        self.seq = seq
+        self.claimed = False
+        try:
+            self._ctx: RRefContext | None = rref_context(current_agent())
+        except Exception:  # noqa: BLE001 - unpickled outside an agent: nothing to skip
+            self._ctx = None
+
+    def __del__(self) -> None:
+        if self.claimed or self._ctx is None:
+            return
+        try:
+            state = self._ctx.local_states.get(self.rref_id)
+            if state is not None:
+                _submit(_queue(state, self.caller), self.seq, None)
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
 
 
 class _ActorQueue:
@@ -40,42 +99,73 @@ class _ActorQueue:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.next = 0
-        self.waiting: dict[int, Callable[[], None]] = {}
+        self.waiting: dict[int, Callable[[], None] | None] = {}  # None: a skipped number
 
 
-_queues: dict[tuple[Any, ...], _ActorQueue] = {}
-_queues_lock = threading.Lock()
+def _queue(state: OwnerState, caller: int) -> _ActorQueue:
+    with state.actor_lock:
+        queue: _ActorQueue | None = state.actor_queues.get(caller)
+        if queue is None:
+            queue = state.actor_queues[caller] = _ActorQueue()
+        return queue
 
 
-def invoke_method(rref: RRef[Any], name: str, args: Any, kwargs: Any, caller_seq: Any) -> Any:
-    """Run ``getattr(rref.local_value(), name)(*args, **kwargs)`` on the owner, in caller order."""
-    value = rref.local_value()
-    method = getattr(value, name)
-    if caller_seq is None or getattr(value, "__actorrpc_concurrent__", False):
-        return _call(method, args, kwargs)
-    caller, seq = caller_seq
-    key = (caller, rref._rref_id)
-    with _queues_lock:
-        queue = _queues.setdefault(key, _ActorQueue())
+def _submit(queue: _ActorQueue, seq: int, task: Callable[[], None] | None) -> None:
+    """Run ``task`` (``None``: skip) as number ``seq`` once its predecessors ran."""
+    with queue.lock:
+        if seq < queue.next or seq in queue.waiting:
+            return  # a number already used (a late skip): nothing to do
+        if seq != queue.next:
+            queue.waiting[seq] = task
+            return
+    while True:  # this thread owns number ``queue.next`` now
+        if task is not None:
+            task()
+        with queue.lock:
+            queue.next += 1
+            if queue.next not in queue.waiting:
+                return
+            task = queue.waiting.pop(queue.next)
+
+
+def invoke_method(rref: RRef[Any], name: str, args: Any, kwargs: Any, ticket: Any) -> Any:
+    """Run ``getattr(rref.local_value(), name)(*args, **kwargs)`` on the owner, in caller order.
+
+    Returns a Future (this function is an ``async_execution`` one), completed
+    with the method's result or error.
+    """
     result: torch.futures.Future[Any] = torch.futures.Future()
 
     def run() -> None:
         try:
-            outcome = _call(method, args, kwargs)
+            outcome = _call(getattr(rref.local_value(), name), args, kwargs)
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
             result.set_exception(exc)
+            return
+        if isinstance(outcome, torch._C.Future):
+            outcome.add_done_callback(lambda f: _forward(f, result))
         else:
-            if isinstance(outcome, torch._C.Future):
-                outcome.add_done_callback(lambda f: _forward(f, result))
-            else:
-                result.set_result(outcome)
+            result.set_result(outcome)
 
-    with queue.lock:
-        if seq != queue.next:
-            queue.waiting[seq] = run
-            return result
-    _drain(queue, run)
+    if not isinstance(ticket, _Ticket) or rref._state is None:
+        run()
+        return result
+    ticket.claimed = True
+    queue = _queue(rref._state, ticket.caller)
+    state = rref._state
+    if state.is_ready() and getattr(_value_or_none(state), "__actorrpc_concurrent__", False):
+        _submit(queue, ticket.seq, None)
+        run()
+        return result
+    _submit(queue, ticket.seq, run)
     return result
+
+
+def _value_or_none(state: OwnerState) -> Any:
+    try:
+        return state.wait(0)
+    except BaseException:  # noqa: BLE001 - a failed creation: no value
+        return None
 
 
 def _forward(source: torch.futures.Future[Any], target: torch.futures.Future[Any]) -> None:
@@ -83,15 +173,6 @@ def _forward(source: torch.futures.Future[Any], target: torch.futures.Future[Any
         target.set_result(source.wait())
     except BaseException as exc:  # noqa: BLE001
         target.set_exception(exc)
-
-
-def _drain(queue: _ActorQueue, task: Callable[[], None] | None) -> None:
-    """Run ``task`` and then every successor already waiting, in sequence order."""
-    while task is not None:
-        task()
-        with queue.lock:
-            queue.next += 1
-            task = queue.waiting.pop(queue.next, None)
 
 
 def _call(method: Any, args: Any, kwargs: Any) -> Any:
@@ -131,11 +212,18 @@ class RRefProxy:
             from ._remote import remote
 
             agent = current_agent()
-            payload = (rref, name, args, kwargs, (agent.rank, _take_sequence(rref)))
-            if mode == "remote":
-                return remote(rref.owner(), invoke_method, payload, timeout=timeout)
             dest = rref.owner()
-            future = agent.call(dest, invoke_method, payload, {}, timeout)
+            sequence = _caller_sequence(rref_context(agent), rref._rref_id)
+            with sequence.lock:  # number order == send order; a failed send keeps the number
+                order = _CallOrder(rref._rref_id, agent.rank, sequence.next)
+                payload = (rref, name, args, kwargs, order)
+                if mode == "remote":
+                    handle = remote(dest, invoke_method, payload, timeout=timeout)
+                else:
+                    future = agent.call(dest, invoke_method, payload, {}, timeout)
+                sequence.next += 1
+            if mode == "remote":
+                return handle
             return future.wait() if mode == "sync" else future
 
         method.__name__ = name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -11,8 +12,8 @@ from ..agent import Agent, IncomingRequest, current_agent, register_agent_plugin
 from ..errors import ShutdownError
 from ..protocol import MessageKind
 from ..serialization import register_reducer
-from ._context import GloballyUniqueId, OwnerState, RRefContext
-from ._rref import RRef, _reduce_rref, creation_timeout_error, ctx_register, rref_context
+from ._context import CHILD_ACCEPT, USER_DELETE, GloballyUniqueId, OwnerState, RRefContext
+from ._rref import RRef, _reduce_rref, creation_timeout_error, rref_context, send_child_accept
 
 __all__ = ["debug_info", "remote"]
 
@@ -51,20 +52,28 @@ def remote(
     args = tuple(args or ())
     kwargs = dict(kwargs or {})
     if dest.id == agent.rank:
-        state = OwnerState(rref_id)
-        ctx_register(ctx, state)
-        ctx.owners[rref_id] = state
+        # Case 1 to self: rref id only; the handler finds the state through
+        # ``owners`` (held strongly until the value is set, then released unless forked).
+        state = ctx.get_or_create_owner(rref_id)
         rref = RRef._make_owner(agent, state)
-        future = agent.call(dest, func, args, kwargs, timeout, MessageKind.REMOTE_CALL,
-                            (rref_id, None))
+        try:
+            future = agent.call(dest, func, args, kwargs, timeout, MessageKind.REMOTE_CALL,
+                                (rref_id, None))
+        except BaseException:
+            ctx.release_if_unforked(rref_id)
+            raise
         rref._creation_future = future
-        future.add_done_callback(lambda f: _self_created(state, f))
+        future.add_done_callback(lambda f: _self_created(ctx, state, f))
         return rref
     fork_id = ctx.new_id()
     rref = RRef._make_user(agent, dest, rref_id, fork_id)
-    ctx.add_pending_user(rref)
-    future = agent.call(dest, func, args, kwargs, timeout, MessageKind.REMOTE_CALL,
-                        (rref_id, fork_id))
+    ctx.add_pending_user(rref)  # held until REMOTE_RET confirms it (no early delete)
+    try:
+        future = agent.call(dest, func, args, kwargs, timeout, MessageKind.REMOTE_CALL,
+                            (rref_id, fork_id))
+    except BaseException:
+        ctx.forget_pending_user(fork_id)  # never sent: the owner must not hear of it
+        raise
     rref._creation_future = future
 
     def created(done: torch.futures.Future[Any]) -> None:
@@ -78,11 +87,12 @@ def remote(
     return rref
 
 
-def _self_created(state: OwnerState, future: torch.futures.Future[Any]) -> None:
+def _self_created(ctx: RRefContext, state: OwnerState, future: torch.futures.Future[Any]) -> None:
     try:
         future.wait()
     except BaseException as exc:  # noqa: BLE001
         state.set_error(exc)
+        ctx.release_if_unforked(state.rref_id)
 
 
 def debug_info() -> dict[str, int]:
@@ -96,9 +106,7 @@ def debug_info() -> dict[str, int]:
 def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
     func, args, kwargs, meta, rref_id, fork_id = request.payload
     ctx = rref_context(agent)
-    state = ctx.get_or_create_owner(rref_id)
-    if fork_id is not None:
-        ctx.add_fork(state, fork_id)
+    state = ctx.on_remote_call(rref_id, fork_id)
     try:
         value = agent.serve(
             request.sender, meta, args, kwargs,
@@ -140,18 +148,17 @@ def _handle_fetch(agent: Agent, request: IncomingRequest) -> Any:
 
 def _handle_fork_request(agent: Agent, request: IncomingRequest) -> None:
     rref_id, fork_id = request.payload
-    ctx = rref_context(agent)
-    ctx.add_fork(ctx.get_or_create_owner(rref_id), fork_id)
+    rref_context(agent).on_fork_request(rref_id, fork_id)
 
 
 def _handle_child_accept(agent: Agent, request: IncomingRequest) -> None:
     (fork_id,) = request.payload
-    rref_context(agent).accept_child(fork_id)
+    rref_context(agent).on_child_accept(fork_id)
 
 
 def _handle_user_delete(agent: Agent, request: IncomingRequest) -> None:
     rref_id, fork_id = request.payload
-    rref_context(agent).delete_fork(rref_id, fork_id)
+    rref_context(agent).on_user_delete(rref_id, fork_id)
 
 
 def _send_user_delete(agent: Agent, owner: int, rref_id: Any, fork_id: Any) -> None:
@@ -164,8 +171,20 @@ def _send_user_delete(agent: Agent, owner: int, rref_id: Any, fork_id: Any) -> N
         _log.warning("cannot tell worker %s that fork %s was deleted: %s", owner, fork_id, exc)
 
 
+SHUTDOWN_RREF_WAIT_LIMIT = 100.0
+"""Most seconds graceful shutdown waits for RRef deletes (torch waits 100 s)."""
+
+
 def _shutdown_rrefs(agent: Agent, ctx: RRefContext, deadline: float) -> None:
-    """Graceful shutdown: drain pending users/children, delete users, wait for forks to go."""
+    """Graceful shutdown: drain pending users/children, delete users, wait for forks to go.
+
+    Every worker runs this after the first shutdown barrier, so the deletes it
+    waits for are being sent concurrently by the others. It uses at most half of
+    the time left (and :data:`SHUTDOWN_RREF_WAIT_LIMIT`), so a leak leaves the
+    later barriers time to complete: a leak is reported, never a hang.
+    """
+    now = time.monotonic()
+    deadline = min(now + (deadline - now) / 2, now + SHUTDOWN_RREF_WAIT_LIMIT)
     drained = ctx.wait_until(lambda: not ctx.pending_users and not ctx.pending_children, deadline)
     ctx.delete_all_users()
     forks_gone = ctx.wait_until(lambda: not ctx.forks, deadline)
@@ -186,10 +205,16 @@ def _shutdown_rrefs(agent: Agent, ctx: RRefContext, deadline: float) -> None:
 
 
 def _install(agent: Agent) -> None:
-    def send_delete(owner: int, rref_id: Any, fork_id: Any) -> None:
-        agent.call_soon(_send_user_delete, agent, owner, rref_id, fork_id)
+    def send_control(dest: int, kind: str, payload: tuple[Any, ...]) -> None:
+        # Runs on the I/O thread: safe from __del__ and under the context's lock.
+        if kind == USER_DELETE:
+            agent.call_soon(_send_user_delete, agent, dest, *payload)
+        elif kind == CHILD_ACCEPT:
+            agent.call_soon(send_child_accept, agent, dest, *payload)
+        else:  # pragma: no cover - the context sends no other kind
+            raise ValueError(f"unknown RRef control message {kind!r}")
 
-    ctx = RRefContext(agent.rank, send_delete)
+    ctx = RRefContext(agent.rank, send_control)
     agent.extensions["rref"] = ctx
     agent.register_handler(MessageKind.REMOTE_CALL, lambda r: _handle_remote_call(agent, r))
     agent.register_handler(MessageKind.RREF_FETCH, lambda r: _handle_fetch(agent, r), inline=True)

@@ -9,7 +9,9 @@ Sharing cases (A, B, C are workers; B owns the value):
    ``pending_children`` under a new fork id; B resolves it to its owner RRef and
    sends RREF_CHILD_ACCEPT to A.
 3. The owner B sends its RRef to C: B registers the fork before sending (early
-   registration); C's user is confirmed at once.
+   registration); C's user is confirmed at once. B sending to itself also
+   registers a fork, dropped when the message arrives, so the value survives
+   the trip even if every other handle is dropped meanwhile.
 4. A user on A sends its RRef to C: A keeps the parent in ``pending_children``;
    C makes a pending user and sends RREF_FORK_REQUEST to B; on B's ack C is
    confirmed and sends RREF_CHILD_ACCEPT to A. C runs the called function only
@@ -21,11 +23,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Generic, TypeVar
 
-from ..agent import Agent, Future, current_agent
+from ..agent import Agent, Future, WorkerInfo, current_agent
 from ..errors import RpcTimeoutError, RRefError, SerializationError
 from ..protocol import MessageKind
 from ..serialization import current_pickle_target, current_unpickle_source
-from ..agent import WorkerInfo
 from ._context import GloballyUniqueId, OwnerState, RRefContext
 
 __all__ = ["RRef", "rref_context"]
@@ -220,7 +221,13 @@ class RRef(Generic[T]):
     def __reduce__(self) -> Any:
         return _reduce_rref(self)
 
+    @property
+    def _owner_rank(self) -> int:
+        return self._owner.id
+
     def __del__(self) -> None:
+        # G1: a confirmed user tells its owner it is gone (unconfirmed users are held
+        # by the context's pending tables and cannot reach here).
         try:
             if self._state is None and self._confirmed and not self._deleted:
                 ctx: RRefContext | None = self._agent.extensions.get("rref")
@@ -231,31 +238,19 @@ class RRef(Generic[T]):
 
 
 def ctx_register(ctx: RRefContext, state: OwnerState) -> None:
-    ctx.local_states[state.rref_id] = state
+    ctx.register_local(state)
 
 
 def _reduce_rref(rref: RRef[Any]) -> Any:
+    """Pickle an RRef travelling in an RPC message: fork it (see the module docstring)."""
     target = current_pickle_target()
     if target is None:
         raise SerializationError(
             f"Can not pickle rref in python pickler: {rref} can only travel as an argument or "
             "result of an RPC (rpc_sync, rpc_async, remote)"
         )
-    agent = rref._agent
-    ctx = rref_context(agent)
-    if rref._state is not None:
-        if target.worker_id == agent.rank:
-            fork_id = None
-        else:
-            fork_id = ctx.new_id()
-            ctx.add_fork(rref._state, fork_id)  # early fork registration
-        parent = None
-    else:
-        if rref._creation_error is not None:
-            raise RRefError(f"cannot share {rref}: its creation failed: {rref._creation_error}")
-        fork_id = ctx.new_id()
-        ctx.add_pending_child(fork_id, rref)  # G2: the parent outlives the unconfirmed child
-        parent = agent.rank
+    rref._check_usable("share")
+    fork_id, parent = rref_context(rref._agent).fork_for(rref, target.worker_id)
     return _rebuild_rref, (rref._owner, rref._rref_id, fork_id, parent)
 
 
@@ -265,20 +260,16 @@ def _rebuild_rref(
     fork_id: GloballyUniqueId | None,
     parent: int | None,
 ) -> RRef[Any]:
+    """Unpickle an RRef: the receiving side of the four sharing cases."""
     agent = current_agent()
     ctx = rref_context(agent)
     if owner.id == agent.rank:
-        state = ctx.local_states.get(rref_id) or ctx.get_or_create_owner(rref_id)
-        if fork_id is not None and parent is not None:
-            agent.call_soon(_send_child_accept, agent, parent, fork_id)
-        return RRef._make_owner(agent, state)
+        return RRef._make_owner(agent, ctx.receive_at_owner(rref_id, fork_id, parent))
     assert fork_id is not None
     rref = RRef._make_user(agent, owner, rref_id, fork_id)
-    if parent is None:
-        rref._confirmed = True
-        ctx.add_confirmed_user(rref)
+    if not ctx.receive_user(rref, parent):
         return rref
-    ctx.add_pending_user(rref)
+    assert parent is not None
     request = agent.send_request(
         owner, MessageKind.RREF_FORK_REQUEST, (rref_id, fork_id), description="RRef fork request"
     )
@@ -288,8 +279,7 @@ def _rebuild_rref(
             done.wait()
         except Exception as exc:  # noqa: BLE001 - the owner refused; still release the parent
             _log.warning("fork request for %s failed: %s", rref_id, exc)
-        ctx.confirm_user(fork_id)
-        _send_child_accept(agent, parent, fork_id)
+        ctx.fork_acknowledged(fork_id, parent)
 
     confirmed = request.then(acknowledged)
     source = current_unpickle_source()
@@ -298,10 +288,8 @@ def _rebuild_rref(
     return rref
 
 
-def _send_child_accept(agent: Agent, parent: int, fork_id: GloballyUniqueId) -> None:
-    if parent == agent.rank:
-        rref_context(agent).accept_child(fork_id)
-        return
+def send_child_accept(agent: Agent, parent: int, fork_id: GloballyUniqueId) -> None:
+    """Send RREF_CHILD_ACCEPT(fork_id) to ``parent`` (best effort)."""
     try:
         agent.send_request(
             agent.resolve(parent), MessageKind.RREF_CHILD_ACCEPT, (fork_id,),
