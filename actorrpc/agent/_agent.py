@@ -442,6 +442,10 @@ class Agent:
         return max(0.0, min(limit, self._deadlines[0][0] - time.monotonic()))
 
     def _expire_deadlines(self) -> None:
+        if len(self._deadlines) > 1024 + 4 * len(self._pending):  # drop answered calls' entries
+            with self._deadline_lock:
+                self._deadlines[:] = [d for d in self._deadlines if d[1] in self._pending]
+                heapq.heapify(self._deadlines)
         now = time.monotonic()
         while self._deadlines and self._deadlines[0][0] <= now:
             with self._deadline_lock:
@@ -462,11 +466,8 @@ class Agent:
         if now - self._last_warning < _WARN_INTERVAL:
             self._suppressed_warnings += 1
             return
-        extra = (
-            f" ({self._suppressed_warnings} similar suppressed)"
-            if self._suppressed_warnings
-            else ""
-        )
+        count = self._suppressed_warnings
+        extra = f" ({count} similar suppressed)" if count else ""
         self._last_warning = now
         self._suppressed_warnings = 0
         _log.warning("%s: %s%s", self.name, what, extra)
@@ -483,9 +484,7 @@ class Agent:
             return
         member = self._members.get(header.sender)
         if member is None or member.identity != identity:
-            self._warn(
-                f"dropped a message claiming to be from rank {header.sender}: unknown sender"
-            )
+            self._warn(f"dropped a message claiming to be rank {header.sender}: unknown sender")
             return
         self.liveness.heard_from(header.sender, member.name)
         self.stats["bytes_in"] += sum(len(f) for f in message[2:])
