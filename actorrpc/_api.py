@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import autograd as _autograd  # noqa: F401 - registers its agent plugin
 from ._environment import LaunchEnvironment, launch_environment
 from .agent import (
     Agent,

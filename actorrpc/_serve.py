@@ -37,17 +37,18 @@ def main(argv: list[str] | None = None) -> None:
     if not args.orphan_ok:
         threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     sys.path.insert(0, os.getcwd())
-    import actorrpc as rpc
+    from ._api import init_rpc, shutdown
+    from .agent import ZmqRpcBackendOptions
 
-    options = rpc.ZmqRpcBackendOptions(
+    options = ZmqRpcBackendOptions(
         init_method=args.init_method,
         rpc_timeout=args.rpc_timeout,
         num_worker_threads=args.threads,
         strict_rref_leaks=args.strict_leaks,
     )
-    rpc.init_rpc(args.name or f"worker{args.rank}", rank=args.rank,
-                 world_size=args.world_size, rpc_backend_options=options)
-    rpc.shutdown(timeout=0)
+    init_rpc(args.name or f"worker{args.rank}", rank=args.rank,
+             world_size=args.world_size, rpc_backend_options=options)
+    shutdown(timeout=0)
 
 
 if __name__ == "__main__":
