@@ -18,6 +18,7 @@ from ._api import (
     rpc_sync,
     shutdown,
 )
+from ._inspection import get_worker_stats, start_tracing, stop_tracing
 from ._local import LocalWorkers, local_workers
 from ._logging import install_worker_name_filter as _install_worker_name_filter
 from .agent import BackendType, Future, WorkerInfo, ZmqRpcBackendOptions
@@ -88,6 +89,7 @@ __all__ = [
     "get_rref_debug_info",
     "get_worker_info",
     "get_worker_infos",
+    "get_worker_stats",
     "init_rpc",
     "is_available",
     "is_initialized",
@@ -96,4 +98,6 @@ __all__ = [
     "rpc_async",
     "rpc_sync",
     "shutdown",
+    "start_tracing",
+    "stop_tracing",
 ]

@@ -45,6 +45,7 @@ EXPECTED_ALL = [
     "get_rref_debug_info",
     "get_worker_info",
     "get_worker_infos",
+    "get_worker_stats",
     "init_rpc",
     "is_available",
     "is_initialized",
@@ -53,6 +54,8 @@ EXPECTED_ALL = [
     "rpc_async",
     "rpc_sync",
     "shutdown",
+    "start_tracing",
+    "stop_tracing",
 ]
 
 TORCH_NAMES = [

@@ -61,11 +61,12 @@ from ._calls import (
 )
 from ._futures import Future, complete
 from ._liveness import LivenessMonitor
+from ._observe import Tracer, WorkerStats, worker_snapshot
 from ._options import ZmqRpcBackendOptions
 from ._pool import STALL_SECONDS, WorkerPool
 from ._remote_exception import pack_exception, rebuild_exception
 from ._rendezvous import GroupMember, Rendezvous, choose_addresses
-from ._shutdown import graceful_barriers
+from ._shutdown import graceful_barriers, wait_until
 from ._worker_info import WorkerInfo
 
 __all__ = [
@@ -151,7 +152,8 @@ class Agent:
         self._soon: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]]] = (
             queue.SimpleQueue()
         )
-        self.stats = {"calls_sent": 0, "requests_served": 0, "bytes_out": 0, "bytes_in": 0}
+        self.stats = WorkerStats()
+        self.tracer = Tracer(rank, name)
         self._pool = WorkerPool(options.num_worker_threads, f"actorrpc-{name}")
         self.register_handler(MessageKind.CALL, self._handle_call)
         self.register_handler(MessageKind.PING, lambda request: None, inline=True)
@@ -277,7 +279,10 @@ class Agent:
         except BaseException:
             self._pending.pop(message_id, None)
             raise
-        self.stats["calls_sent"] += 1
+        self.stats.calls_sent[dest.id] += 1
+        if self.tracer.enabled:
+            nbytes = len(body) + sum(b.nbytes for b in buffers)
+            self.tracer.call_sent(message_id, dest.id, description or kind.name, nbytes)
         return future
 
     def prepare_call(
@@ -349,7 +354,7 @@ class Agent:
             raise PeerUnreachableError(dead[dest_rank])
         header = encode_header(kind, len(buffers), self.rank, message_id)
         self._transport.link(member.identity, member.endpoint).send([header, body, *buffers])
-        self.stats["bytes_out"] += len(body) + sum(b.nbytes for b in buffers)
+        self.stats.bytes_out[dest_rank] += len(body) + sum(b.nbytes for b in buffers)
 
     # -- replying -----------------------------------------------------------------------------
 
@@ -397,6 +402,8 @@ class Agent:
         frames: list[Any],
         entry: HandlerEntry,
     ) -> None:
+        started = time.time()
+        payload: Any = None
         try:
             with unpickling_from(sender.id) as source:
                 payload = loads(frames[0].buffer, [f.buffer for f in frames[1:]])
@@ -406,6 +413,13 @@ class Agent:
         except BaseException as exc:  # noqa: BLE001 - every failure is answered
             outcome = Failure(exc)
         self._finish_request(sender.id, message_id, outcome)
+        if self.tracer.enabled:
+            what = kind.name
+            if kind in (MessageKind.CALL, MessageKind.REMOTE_CALL) and payload is not None:
+                what = getattr(payload[0], "__qualname__", None) or repr(payload[0])
+            nbytes = sum(len(f) for f in frames)
+            outcome_name = "error" if isinstance(outcome, Failure) else "ok"
+            self.tracer.served(sender.id, message_id, what, nbytes, started, outcome_name)
 
     def _handle_call(self, request: IncomingRequest) -> Any:
         func, args, kwargs, meta = request.payload[:4]
@@ -487,7 +501,7 @@ class Agent:
             self._warn(f"dropped a message claiming to be rank {header.sender}: unknown sender")
             return
         self.liveness.heard_from(header.sender, member.name)
-        self.stats["bytes_in"] += sum(len(f) for f in message[2:])
+        self.stats.bytes_in[header.sender] += sum(len(f) for f in message[2:])
         frames = message[2:]
         is_response = header.kind in RESPONSE_KINDS
         if len(frames) != 1 + header.nbuffers:
@@ -515,7 +529,7 @@ class Agent:
             return
         with self._inflight_lock:
             self._inflight += 1
-        self.stats["requests_served"] += 1
+        self.stats.requests_served[header.sender] += 1
         if entry.inline:
             self._serve(header.kind, sender, header.message_id, frames, entry)
         else:
@@ -532,6 +546,9 @@ class Agent:
         pending = self._pending.pop(message_id, None)
         if pending is None:
             return  # a late reply to a call that already timed out
+        if self.tracer.enabled:
+            outcome = "error" if kind == MessageKind.EXCEPTION else "ok"
+            self.tracer.call_done(message_id, sum(len(f) for f in frames), outcome)
         try:
             with unpickling_from(sender):
                 value = loads(frames[0].buffer, [f.buffer for f in frames[1:]])
@@ -556,21 +573,18 @@ class Agent:
 
     # -- shutdown -------------------------------------------------------------------------------
 
+    def snapshot(self) -> dict[str, Any]:
+        """This worker's statistics (see :func:`actorrpc.get_worker_stats`)."""
+        return worker_snapshot(self)
+
     def idle(self) -> bool:
         return not self._pending and self._inflight == 0
 
     def wait_idle(self, deadline: float) -> bool:
-        interval = 0.001
-        while not self.idle():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(interval)
-            interval = min(interval * 2, 0.02)
-        return True
+        return wait_until(self.idle, deadline)
 
     def pending_destinations(self) -> Iterator[str]:
-        for pending in list(self._pending.values()):
-            yield f"{pending.description or 'call'} on {pending.dest!r}"
+        return (f"{p.description or 'call'} on {p.dest!r}" for p in list(self._pending.values()))
 
     def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
         """Leave the group; graceful waits for all work everywhere (see module docs)."""

@@ -63,6 +63,9 @@ class WorkerPool:
             self._idle += 1
             thread.start()
 
+    def queued(self) -> int:
+        return self._queue.qsize()
+
     @property
     def size(self) -> int:
         return len(self._threads)

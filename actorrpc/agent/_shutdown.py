@@ -14,12 +14,14 @@ known dead is reported and not waited for.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["graceful_barriers"]
+__all__ = ["graceful_barriers", "wait_until"]
 
 
 def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: list[str]) -> None:
@@ -48,3 +50,14 @@ def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: li
             return
     for _rank, reason in sorted(agent.liveness.dead_peers.items()):
         problems.append(f"dead peer: {reason}")
+
+
+def wait_until(condition: Callable[[], bool], deadline: float) -> bool:
+    """Poll ``condition`` (1 ms growing to 20 ms) until it holds or ``deadline`` passes."""
+    interval = 0.001
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+        interval = min(interval * 2, 0.02)
+    return True

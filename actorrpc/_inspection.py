@@ -1,0 +1,71 @@
+"""Statistics and tracing across the group (``get_worker_stats``, ``*_tracing``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .agent import current_agent
+
+__all__ = ["get_worker_stats", "start_tracing", "stop_tracing"]
+
+
+def _local_stats() -> dict[str, Any]:
+    return current_agent().snapshot()
+
+
+def _local_trace_start() -> None:
+    current_agent().tracer.start()
+
+
+def _local_trace_stop() -> list[dict[str, Any]]:
+    return current_agent().tracer.stop()
+
+
+def get_worker_stats(worker: Any = None) -> dict[str, Any]:
+    """Statistics of this worker, or of ``worker`` (a name, rank or WorkerInfo).
+
+    Calls sent and served, calls in flight and bytes in and out per peer; pool
+    threads, busy threads and queued requests; dead peers; the RRef tables
+    (owner RRefs, forks, pending users and children) and distributed autograd
+    contexts.
+
+    Example::
+
+        >>> # on worker0
+        >>> rpc.get_worker_stats("worker1")["peers"]["worker0"]["requests_served"]
+        12
+    """
+    agent = current_agent()
+    if worker is None:
+        return agent.snapshot()
+    return agent.call(agent.resolve(worker), _local_stats, (), {}).wait()  # type: ignore[no-any-return]
+
+
+def start_tracing() -> None:
+    """Start recording every RPC on every worker (caller, callee, function, sizes, times).
+
+    Example::
+
+        >>> rpc.start_tracing()
+        >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+        >>> trace = rpc.stop_tracing("trace.json")   # open in Perfetto / chrome://tracing
+    """
+    agent = current_agent()
+    futures = [agent.call(info, _local_trace_start, (), {}) for info in agent.worker_infos()]
+    for future in futures:
+        future.wait()
+
+
+def stop_tracing(path: str | None = None) -> dict[str, Any]:
+    """Stop recording; gather every worker's events into one Chrome trace (written to ``path``)."""
+    agent = current_agent()
+    futures = [agent.call(info, _local_trace_stop, (), {}) for info in agent.worker_infos()]
+    events: list[dict[str, Any]] = []
+    for future in futures:
+        events.extend(future.wait())
+    trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if path is not None:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(trace, handle)
+    return trace

@@ -1,0 +1,177 @@
+"""Seeing what runs: per-peer statistics and an opt-in recorder of every RPC.
+
+The agent's hot path only increments dict counters and, when tracing is on,
+appends tuples; everything else (snapshots, Chrome trace events) is computed
+when asked for.
+
+Trace format: the Chrome trace-event JSON (``{"traceEvents": [...]}``) that
+Perfetto and ``chrome://tracing`` open. Each worker is a process (``pid`` =
+rank); a call is a complete event (``ph: "X"``) on the caller, from send to
+reply, and one on the callee, from the start to the end of serving it; a flow
+arrow (``ph: "s"`` / ``"f"``) joins the two.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._agent import Agent
+
+__all__ = ["Tracer", "WorkerStats", "worker_snapshot"]
+
+
+class WorkerStats:
+    """Counters per peer rank, kept by the agent."""
+
+    def __init__(self) -> None:
+        self.calls_sent: Counter[int] = Counter()
+        self.requests_served: Counter[int] = Counter()
+        self.bytes_out: Counter[int] = Counter()
+        self.bytes_in: Counter[int] = Counter()
+
+    def __getitem__(self, counter: str) -> int:
+        """The total of one counter over all peers, e.g. ``stats["calls_sent"]``."""
+        values: Counter[int] = getattr(self, counter)
+        return sum(values.values())
+
+    def totals(self) -> dict[str, int]:
+        names = ("calls_sent", "requests_served", "bytes_out", "bytes_in")
+        return {name: self[name] for name in names}
+
+    def per_peer(self, names: dict[int, str], in_flight: Counter[int]) -> dict[str, Any]:
+        ranks = set(self.calls_sent) | set(self.requests_served) | set(in_flight)
+        return {
+            names.get(rank, str(rank)): {
+                "calls_sent": self.calls_sent[rank],
+                "requests_served": self.requests_served[rank],
+                "calls_in_flight": in_flight[rank],
+                "bytes_out": self.bytes_out[rank],
+                "bytes_in": self.bytes_in[rank],
+            }
+            for rank in sorted(ranks)
+        }
+
+
+class Tracer:
+    """Records calls made and served by one worker while enabled."""
+
+    def __init__(self, rank: int, name: str) -> None:
+        self.rank = rank
+        self.name = name
+        self.enabled = False
+        self._lock = threading.Lock()
+        self._open: dict[int, tuple[float, int, str, int, int]] = {}
+        self._events: list[dict[str, Any]] = []
+
+    def start(self) -> None:
+        with self._lock:
+            self._open.clear()
+            self._events.clear()
+        self.enabled = True
+
+    def call_sent(self, message_id: int, dest: int, description: str, nbytes: int) -> None:
+        self._open[message_id] = (time.time(), dest, description, nbytes, threading.get_ident())
+
+    def call_done(self, message_id: int, reply_bytes: int, outcome: str) -> None:
+        started = self._open.pop(message_id, None)
+        if started is None:
+            return
+        start, dest, description, nbytes, thread = started
+        event = {
+            "name": description or "call",
+            "cat": "rpc",
+            "ph": "X",
+            "pid": self.rank,
+            "tid": thread,
+            "ts": start * 1e6,
+            "dur": (time.time() - start) * 1e6,
+            "args": {
+                "caller": self.name,
+                "callee_rank": dest,
+                "request_bytes": nbytes,
+                "reply_bytes": reply_bytes,
+                "outcome": outcome,
+                "message_id": message_id,
+            },
+        }
+        flow = {
+            "name": "rpc",
+            "cat": "rpc",
+            "ph": "s",
+            "id": f"{self.rank}:{message_id}",
+            "pid": self.rank,
+            "tid": thread,
+            "ts": start * 1e6,
+        }
+        with self._lock:
+            self._events += [event, flow]
+
+    def served(
+        self, sender: int, message_id: int, what: str, nbytes: int, start: float, outcome: str
+    ) -> None:
+        thread = threading.get_ident()
+        event = {
+            "name": what,
+            "cat": "serve",
+            "ph": "X",
+            "pid": self.rank,
+            "tid": thread,
+            "ts": start * 1e6,
+            "dur": (time.time() - start) * 1e6,
+            "args": {
+                "callee": self.name,
+                "caller_rank": sender,
+                "request_bytes": nbytes,
+                "outcome": outcome,
+                "message_id": message_id,
+            },
+        }
+        flow = {
+            "name": "rpc",
+            "cat": "rpc",
+            "ph": "f",
+            "bp": "e",
+            "id": f"{sender}:{message_id}",
+            "pid": self.rank,
+            "tid": thread,
+            "ts": start * 1e6,
+        }
+        with self._lock:
+            self._events += [event, flow]
+
+    def stop(self) -> list[dict[str, Any]]:
+        """Stop recording and return this worker's events (with a process-name record)."""
+        self.enabled = False
+        with self._lock:
+            events = list(self._events)
+            self._events.clear()
+            self._open.clear()
+        meta = {"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": self.name}}
+        return [meta, *events]
+
+
+def worker_snapshot(agent: Agent) -> dict[str, Any]:
+    """One worker's statistics (see :func:`actorrpc.get_worker_stats`)."""
+    in_flight: Counter[int] = Counter(p.dest.id for p in list(agent._pending.values()))
+    names = {rank: info.name for rank, info in agent._infos.items()}
+    stats: dict[str, Any] = {
+        "worker": agent.name,
+        "rank": agent.rank,
+        "world_size": agent.world_size,
+        **agent.stats.totals(),
+        "peers": agent.stats.per_peer(names, in_flight),
+        "requests_in_flight": agent._inflight,
+        "pool_threads": agent._pool.size,
+        "pool_busy": agent._pool.busy,
+        "pool_queued": agent._pool.queued(),
+        "dead_peers": sorted(names.get(r, str(r)) for r in agent.liveness.dead_peers),
+    }
+    for name, extension in agent.extensions.items():
+        describe = getattr(extension, "debug_info", None)
+        if callable(describe):
+            stats[name] = describe()
+    return stats

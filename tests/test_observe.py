@@ -1,0 +1,80 @@
+"""Per-worker statistics, the RPC trace recorder and log records naming the worker."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import actorrpc as rpc
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _ping(x: int) -> int:
+    return x
+
+
+def _nested(x: int) -> int:
+    return rpc.rpc_sync("worker2", _ping, args=(x,))
+
+
+def test_worker_stats_count_calls_per_peer(cluster: list[str]) -> None:
+    before = rpc.get_worker_stats("worker1")["peers"].get("worker0", {}).get("requests_served", 0)
+    for i in range(5):
+        assert rpc.rpc_sync("worker1", _ping, args=(i,)) == i
+    stats = rpc.get_worker_stats("worker1")
+    assert stats["worker"] == "worker1" and stats["world_size"] == 3
+    # the 5 calls plus the stats call itself
+    assert stats["peers"]["worker0"]["requests_served"] == before + 6
+    assert stats["peers"]["worker0"]["bytes_in"] > 0
+    assert "rref" in stats and "num_owner_rrefs" in stats["rref"]
+    local = rpc.get_worker_stats()
+    assert local["worker"] == "worker0"
+    assert local["peers"]["worker1"]["calls_sent"] >= 6
+    assert local["calls_sent"] >= local["peers"]["worker1"]["calls_sent"]
+
+
+def test_trace_is_a_chrome_trace_of_who_called_whom(cluster: list[str], tmp_path: Path) -> None:
+    rpc.start_tracing()
+    rpc.rpc_sync("worker1", _nested, args=(7,))
+    rpc.rpc_sync("worker2", torch.add, args=(torch.ones(1000), 1))
+    path = tmp_path / "trace.json"
+    trace = rpc.stop_tracing(str(path))
+    assert json.loads(path.read_text()) == trace
+    events = trace["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert names == {"worker0", "worker1", "worker2"}
+    calls = [e for e in events if e["ph"] == "X" and e["cat"] == "rpc"]
+    served = [e for e in events if e["ph"] == "X" and e["cat"] == "serve"]
+    short = lambda e: (e["pid"], e["name"].rsplit(".", 1)[-1])  # noqa: E731
+    assert {short(e) for e in calls} >= {(0, "_nested"), (1, "_ping"), (0, "add")}
+    assert {short(e) for e in served} >= {(1, "_nested"), (2, "_ping"), (2, "add")}
+    for event in calls + served:
+        assert event["dur"] >= 0 and event["ts"] > 0
+    big = next(e for e in calls if e["name"].endswith("add"))
+    assert big["args"]["request_bytes"] >= 4000 and big["args"]["reply_bytes"] >= 4000
+    # every call's flow start has a matching flow end on the callee
+    starts = {e["id"] for e in events if e["ph"] == "s"}
+    ends = {e["id"] for e in events if e["ph"] == "f"}
+    assert starts and starts <= ends
+    # the nested call happens inside the outer one, on the callee's timeline
+    outer = next(e for e in served if e["name"] == "_nested")
+    inner = next(e for e in calls if e["name"] == "_ping" and e["pid"] == 1)
+    assert outer["ts"] <= inner["ts"] <= inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
+    # after stop, nothing more is recorded
+    rpc.rpc_sync("worker1", _ping, args=(1,))
+    assert rpc.stop_tracing()["traceEvents"] == [
+        e for e in rpc.stop_tracing()["traceEvents"] if e["ph"] == "M"
+    ]
+
+
+def test_log_records_name_the_worker(cluster: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="actorrpc.agent"):
+        logging.getLogger("actorrpc.agent").warning("probe %d", 1)
+    record = next(r for r in caplog.records if "probe" in r.getMessage())
+    assert record.worker == "worker0"  # type: ignore[attr-defined]
+    assert record.getMessage().startswith("[worker0]")
