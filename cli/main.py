@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from .launch import launch
+from .status import status
 
 __all__ = ["cli", "main"]
 
@@ -25,6 +26,7 @@ def cli() -> None:
 
 
 cli.add_command(launch)
+cli.add_command(status)
 
 
 def main() -> None:

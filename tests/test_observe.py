@@ -78,3 +78,26 @@ def test_log_records_name_the_worker(cluster: list[str], caplog: pytest.LogCaptu
     record = next(r for r in caplog.records if "probe" in r.getMessage())
     assert record.worker == "worker0"  # type: ignore[attr-defined]
     assert record.getMessage().startswith("[worker0]")
+
+
+def test_status_command_prints_every_worker(cluster: list[str]) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from actorrpc.agent import current_agent
+    from tests._cluster import REPO_ROOT
+
+    port = current_agent()._rendezvous.init_method.rsplit(":", 1)[1]
+    command = [sys.executable, "-m", "actorrpc.cli.main", "status", "--master-port", port]
+    deadline = time.monotonic() + 30
+    while True:
+        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=30)
+        if done.returncode == 0 and all(name in done.stdout for name in cluster):
+            break
+        assert time.monotonic() < deadline, done.stdout + done.stderr
+    header, *rows = done.stdout.strip().splitlines()
+    assert "served" in header and "owner rrefs" in header
+    assert len(rows) == 3
+    raw = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=30)
+    assert '"worker": "worker1"' in raw.stdout

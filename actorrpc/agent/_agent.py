@@ -61,7 +61,7 @@ from ._calls import (
 )
 from ._futures import Future, complete
 from ._liveness import LivenessMonitor
-from ._observe import Tracer, WorkerStats, worker_snapshot
+from ._observe import StatusPublisher, Tracer, WorkerStats, worker_snapshot
 from ._options import ZmqRpcBackendOptions
 from ._pool import STALL_SECONDS, WorkerPool
 from ._remote_exception import pack_exception, rebuild_exception
@@ -154,6 +154,7 @@ class Agent:
         )
         self.stats = WorkerStats()
         self.tracer = Tracer(rank, name)
+        self._status = StatusPublisher(self, lambda *a: self._rendezvous.publish_status(*a))
         self._pool = WorkerPool(options.num_worker_threads, f"actorrpc-{name}")
         self.register_handler(MessageKind.CALL, self._handle_call)
         self.register_handler(MessageKind.PING, lambda request: None, inline=True)
@@ -218,6 +219,7 @@ class Agent:
             target=self._io_loop, name=f"actorrpc-io-{self.name}", daemon=True
         )
         self._io_thread.start()
+        self._status.start()
 
     def is_alive(self) -> bool:
         return self._running
@@ -601,6 +603,7 @@ class Agent:
             raise ShutdownError(f"shutdown of {self.name!r} was not clean: " + "; ".join(problems))
 
     def _stop_threads(self) -> None:
+        self._status.stop()
         self._running = False
         self._transport.wake()
         if self._io_thread is not None and self._io_thread is not threading.current_thread():

@@ -13,6 +13,8 @@ arrow (``ph: "s"`` / ``"f"``) joins the two.
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import time
 from collections import Counter
@@ -21,7 +23,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["Tracer", "WorkerStats", "worker_snapshot"]
+STATUS_INTERVAL = 2.0
+_log = logging.getLogger("actorrpc.agent")
+
+__all__ = ["STATUS_INTERVAL", "StatusPublisher", "Tracer", "WorkerStats", "worker_snapshot"]
 
 
 class WorkerStats:
@@ -175,3 +180,36 @@ def worker_snapshot(agent: Agent) -> dict[str, Any]:
         if callable(describe):
             stats[name] = describe()
     return stats
+
+
+class StatusPublisher:
+    """Publishes the worker's statistics to the rendezvous store for ``actorrpc status``.
+
+    A daemon thread of its own (never the I/O thread: a store call may block
+    while the store's host is gone) writes ``actorrpc/status/<rank>`` every
+    :data:`STATUS_INTERVAL` seconds.
+    """
+
+    def __init__(self, agent: Agent, publish: Any) -> None:
+        self._agent = agent
+        self._publish = publish
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"actorrpc-status-{agent.name}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                snapshot = worker_snapshot(self._agent)
+                snapshot["published_at"] = time.time()
+                self._publish(self._agent.rank, self._agent.world_size, json.dumps(snapshot))
+            except Exception as exc:  # noqa: BLE001 - status is best effort
+                _log.debug("status publishing failed: %s", exc)
+            self._stop.wait(STATUS_INTERVAL)
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -272,6 +272,13 @@ class Rendezvous:
             seen[member.name] = member.rank
         return members
 
+    def publish_status(self, rank: int, world_size: int, payload: str) -> None:
+        """Write this worker's status where ``actorrpc status`` reads it (the root key space)."""
+        root = self._root
+        if root is not None:
+            root.set("actorrpc/status/world", str(world_size))
+            root.set(f"actorrpc/status/{rank}", payload)
+
     def barrier(self, tag: str) -> StoreBarrier:
         return StoreBarrier(self.store, tag, self.rank, self.world_size)
 
