@@ -154,7 +154,7 @@ class Agent:
         )
         self.stats = WorkerStats()
         self.tracer = Tracer(rank, name)
-        self._status = StatusPublisher(self, lambda *a: self._rendezvous.publish_status(*a))
+        self._status = StatusPublisher(self, self._publish_status)
         self._pool = WorkerPool(options.num_worker_threads, f"actorrpc-{name}")
         self.register_handler(MessageKind.CALL, self._handle_call)
         self.register_handler(MessageKind.PING, lambda request: None, inline=True)
@@ -220,6 +220,9 @@ class Agent:
         )
         self._io_thread.start()
         self._status.start()
+
+    def _publish_status(self, rank: int, world_size: int, payload: str) -> None:
+        self._rendezvous.publish_status(rank, world_size, payload)
 
     def is_alive(self) -> bool:
         return self._running
@@ -580,7 +583,8 @@ class Agent:
         return worker_snapshot(self)
 
     def idle(self) -> bool:
-        return not self._pending and self._inflight == 0
+        """No call pending (liveness PINGs aside) and no request being served."""
+        return len(self._pending) <= self.liveness.pings_in_flight() and self._inflight == 0
 
     def wait_idle(self, deadline: float) -> bool:
         return wait_until(self.idle, deadline)

@@ -37,6 +37,9 @@ class LivenessMonitor:
         self._pinging: set[int] = set()
         self._next_check = 0.0
 
+    def pings_in_flight(self) -> int:
+        return len(self._pinging)
+
     def heard_from(self, rank: int, name: str) -> None:
         self.last_seen[rank] = time.monotonic()
         if rank in self.dead_peers:

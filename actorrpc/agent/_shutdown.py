@@ -25,31 +25,39 @@ __all__ = ["graceful_barriers", "wait_until"]
 
 
 def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: list[str]) -> None:
-    """Run the barriers; append what went wrong to ``problems``."""
-    for tag in ("arrived", "idle", "done"):
-        if tag == "idle":
-            for hook in agent._shutdown_hooks:
-                try:
-                    hook(deadline)
-                except Exception as exc:  # noqa: BLE001 - report every problem
-                    problems.append(str(exc))
-        if tag != "arrived" and not agent.wait_idle(deadline):
-            problems.append("calls still pending: " + ", ".join(agent.pending_destinations()))
-        barrier = agent._rendezvous.barrier(f"shutdown/{tag}")
-        barrier.arrive()
-        if tag == "done" and agent.rank != 0:
-            return
-        missing = barrier.wait(deadline, agent.liveness.dead_among)
-        alive = [r for r in missing if r not in agent.liveness.dead_peers]
-        if alive:
-            names = [agent._infos[r].name for r in alive if r in agent._infos]
-            problems.append(
-                f"workers {names} (ranks {alive}) did not reach shutdown ({tag}) "
-                f"within {budget:.1f}s"
-            )
-            return
-    for _rank, reason in sorted(agent.liveness.dead_peers.items()):
-        problems.append(f"dead peer: {reason}")
+    """Run the barriers; append what went wrong to ``problems``.
+
+    A peer found dead is reported only if it never arrived at a barrier: one
+    that left after finishing its shutdown is not dead but done.
+    """
+    dead_missing: set[int] = set()
+    try:
+        for tag in ("arrived", "idle", "done"):
+            if tag == "idle":
+                for hook in agent._shutdown_hooks:
+                    try:
+                        hook(deadline)
+                    except Exception as exc:  # noqa: BLE001 - report every problem
+                        problems.append(str(exc))
+            if tag != "arrived" and not agent.wait_idle(deadline):
+                problems.append("calls still pending: " + ", ".join(agent.pending_destinations()))
+            barrier = agent._rendezvous.barrier(f"shutdown/{tag}")
+            barrier.arrive()
+            if tag == "done" and agent.rank != 0:
+                return
+            missing = barrier.wait(deadline, agent.liveness.dead_among)
+            dead_missing.update(r for r in missing if r in agent.liveness.dead_peers)
+            alive = [r for r in missing if r not in agent.liveness.dead_peers]
+            if alive:
+                names = [agent._infos[r].name for r in alive if r in agent._infos]
+                problems.append(
+                    f"workers {names} (ranks {alive}) did not reach shutdown ({tag}) "
+                    f"within {budget:.1f}s"
+                )
+                return
+    finally:
+        for rank in sorted(dead_missing):
+            problems.append(f"dead peer: {agent.liveness.dead_peers.get(rank, rank)}")
 
 
 def wait_until(condition: Callable[[], bool], deadline: float) -> bool:
