@@ -1,0 +1,222 @@
+"""Shared helpers for the actorrpc benchmarks.
+
+Only the standard library is imported at module level so that this module is cheap to
+import in every spawned benchmark process (including the bare-pyzmq floor processes,
+which must not pay for ``import torch``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue as queue_mod
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# A message sent by a benchmark process to the parent: (kind, rank, key, payload).
+Msg = tuple[str, int, str, Any]
+
+
+def ensure_repo_on_path() -> None:
+    """Make ``import actorrpc`` work when the scripts are run as ``python benchmarks/x.py``."""
+    root = str(REPO_ROOT)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def pin_process(rank: int, mode: str) -> list[int] | None:
+    """``mode="split"``: pin this process (and threads it starts later) to one CPU.
+
+    Rank r gets CPU ``r % ncpu`` of the CPUs this process may use, so with two ranks on
+    a two-core machine each process owns one core.  On small VMs a ping-pong between
+    processes on different cores costs ~3x more than on the same core, and the kernel's
+    placement of unpinned processes varies run to run; pinning makes runs comparable.
+    """
+    if mode != "split" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    cpu = cpus[rank % len(cpus)]
+    os.sched_setaffinity(0, {cpu})
+    return [cpu]
+
+
+def rss_mb() -> float:
+    """Resident set size of this process in MiB, from /proc/self/status (VmRSS)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return math.nan
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values (q in 0..100)."""
+    if not sorted_values:
+        return math.nan
+    rank = max(1, math.ceil(q / 100.0 * len(sorted_values)))
+    return float(sorted_values[min(rank, len(sorted_values)) - 1])
+
+
+def latency_stats(samples_s: Sequence[float]) -> dict[str, float]:
+    """Median / p99 / mean in microseconds of per-call durations given in seconds."""
+    us = sorted(x * 1e6 for x in samples_s)
+    return {
+        "median_us": float(statistics.median(us)),
+        "p99_us": percentile(us, 99.0),
+        "mean_us": float(statistics.fmean(us)),
+        "n": float(len(us)),
+    }
+
+
+def time_calls(fn: Callable[[int], object], warmup: int, n: int) -> list[float]:
+    """Call ``fn(i)`` ``warmup`` times untimed, then ``n`` times timed; return durations (s)."""
+    for i in range(warmup):
+        fn(i)
+    samples: list[float] = []
+    clock = time.perf_counter
+    for i in range(n):
+        t0 = clock()
+        fn(i)
+        samples.append(clock() - t0)
+    return samples
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _version(module: str) -> str:
+    try:
+        mod = __import__(module)
+    except Exception as exc:  # noqa: BLE001 - report, never fail
+        return f"not importable ({type(exc).__name__})"
+    return str(getattr(mod, "__version__", "unknown"))
+
+
+def machine_info() -> dict[str, Any]:
+    """Describe the machine and the software versions the figures were taken with."""
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_model": _cpu_model(),
+        "nproc": os.cpu_count(),
+        "nproc_affinity": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "pyzmq": _version("zmq"),
+        "dill": _version("dill"),
+        "loadavg_at_start": list(os.getloadavg()),
+    }
+    try:
+        import zmq
+
+        info["libzmq"] = zmq.zmq_version()
+    except Exception:  # noqa: BLE001
+        info["libzmq"] = "unknown"
+    ensure_repo_on_path()
+    info["actorrpc"] = _version("actorrpc")
+    return info
+
+
+class SessionError(Exception):
+    """Raised by :meth:`Session.get` when the processes stall or die."""
+
+
+class Session:
+    """``world_size`` fresh processes (spawn start method) reporting through one queue.
+
+    ``target`` is called as ``target(rank, world_size, port, queue, barrier, *args)`` and
+    must be importable by the children (i.e. live in a module, not in ``__main__``).
+    """
+
+    def __init__(self, target: Callable[..., None], world_size: int, args: tuple[Any, ...]) -> None:
+        ctx = mp.get_context("spawn")
+        self.port = free_port()
+        self.queue: Any = ctx.Queue()
+        self.barrier: Any = ctx.Barrier(world_size)
+        self.procs = [
+            ctx.Process(
+                target=target,
+                args=(rank, world_size, self.port, self.queue, self.barrier, *args),
+                name=f"bench-rank{rank}",
+            )
+            for rank in range(world_size)
+        ]
+
+    def start(self) -> None:
+        for proc in self.procs:
+            proc.start()
+
+    def get(self, timeout: float) -> Msg:
+        """Next message; raises :class:`SessionError` on timeout or if every process died."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SessionError(f"timeout: no progress within {timeout:.0f} s")
+            try:
+                msg: Msg = self.queue.get(timeout=min(0.25, left))
+                return msg
+            except queue_mod.Empty:
+                pass
+            if all(not p.is_alive() for p in self.procs):
+                # The feeder threads flush before a process exits; drain once more.
+                try:
+                    msg = self.queue.get(timeout=0.25)
+                    return msg
+                except queue_mod.Empty:
+                    codes = [p.exitcode for p in self.procs]
+                    raise SessionError(
+                        f"processes exited without reporting (exit codes {codes})"
+                    ) from None
+
+    def alive(self) -> bool:
+        return any(p.is_alive() for p in self.procs)
+
+    def close(self, grace: float) -> list[int | None]:
+        """Wait up to ``grace`` seconds for the processes, then terminate/kill leftovers."""
+        deadline = time.monotonic() + grace
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        codes = [p.exitcode for p in self.procs]
+        self.queue.close()
+        self.queue.cancel_join_thread()
+        return codes

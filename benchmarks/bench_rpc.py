@@ -1,0 +1,267 @@
+"""Benchmark actorrpc against torch.distributed.rpc (TensorPipe) side by side.
+
+    python benchmarks/bench_rpc.py                      # full run, both backends
+    python benchmarks/bench_rpc.py --quick              # CI smoke test, < 60 s
+    python benchmarks/bench_rpc.py --backends torch --quick
+
+Each backend runs in two fresh ``spawn`` processes (rank 0 measures, rank 1 serves);
+a bare pyzmq DEALER/ROUTER ping-pong is measured in the same run as the floor.  Every
+phase has a timeout; a backend that fails reports ``error: ...`` and the run goes on.
+See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from _common import RESULTS_DIR, Session, SessionError, machine_info
+from _metrics import BACKENDS, FULL, METRICS, QUICK, Config, worker_main
+from _report import (
+    BANDWIDTH_NOTE,
+    build_table,
+    error_lines,
+    floor_table,
+    markdown_table,
+    write_chart,
+    write_json,
+)
+from _zmq_floor import floor_main
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _floor_round(cfg: Config) -> dict[str, Any]:
+    session = Session(floor_main, 2, (cfg,))
+    results: dict[str, Any] = {}
+    session.start()
+    try:
+        while True:
+            kind, _rank, key, payload = session.get(cfg.metric_timeout_s)
+            if kind == "result":
+                results[key] = payload
+            elif kind == "fatal":
+                results.setdefault("rpc_sync", payload)
+                break
+            elif kind == "done":
+                break
+    except SessionError as exc:
+        results.setdefault("rpc_sync", {"error": str(exc)})
+    finally:
+        session.close(grace=5.0)
+    return results
+
+
+def run_floor(cfg: Config) -> dict[str, Any]:
+    """Bare pyzmq ping-pong, ``cfg.floor_rounds`` times in fresh process pairs.
+
+    Unpinned, the kernel puts the two processes on the same core or on different cores
+    and the round trip differs ~3x between the two, so each figure is the median round
+    (the lower middle one for an even count); every round is kept under ``rounds``.
+    """
+    rounds = [_floor_round(cfg) for _ in range(max(1, cfg.floor_rounds))]
+    floor: dict[str, Any] = {}
+    for metric, field in (
+        ("rpc_sync", "median_us"),
+        ("rpc_async", "msgs_per_s"),
+        ("echo_1mb", "gb_per_s"),
+        ("echo_64mb", "gb_per_s"),
+    ):
+        entries = [r[metric] for r in rounds if metric in r]
+        ok = sorted(
+            (e for e in entries if isinstance(e.get(field), float)), key=lambda e: float(e[field])
+        )
+        if ok:
+            floor[metric] = ok[(len(ok) - 1) // 2]
+        elif entries:
+            floor[metric] = entries[0]
+    floor["rounds"] = rounds
+    return floor
+
+
+def _collect_shutdown(
+    session: Session, res: dict[str, Any], inits: dict[int, Any], grace: float
+) -> None:
+    """After rank 0 is done, wait (bounded) for both ranks to finish rpc.shutdown().
+
+    Each process has its own queue feeder thread, so rank 1's "init" message may arrive
+    after rank 0's "done": it is collected here too.
+    """
+    shutdown: dict[str, float | None] = {}
+    res.setdefault("shutdown_s", []).append(shutdown)
+    problems = res.setdefault("problems", {})
+    deadline = time.monotonic() + grace
+    while len(shutdown) < 2:
+        try:
+            kind, rank, _key, payload = session.get(deadline - time.monotonic())
+        except SessionError as exc:
+            problems[f"shutdown (session {res['sessions']})"] = {"error": f"rpc.shutdown(): {exc}"}
+            return
+        if kind == "init":
+            inits[rank] = payload
+        elif kind == "shutdown":
+            shutdown[f"rank{rank}"] = payload["shutdown_s"]
+        elif kind == "fatal":
+            problems[f"shutdown rank{rank} (session {res['sessions']})"] = payload
+            shutdown[f"rank{rank}"] = None
+
+
+def _init_summary(rounds: list[dict[int, dict[str, float]]]) -> dict[str, Any]:
+    """init_rpc time (max of the two workers) and idle RSS, median over sessions."""
+    maxes = [max(r[0]["init_s"], r[1]["init_s"]) for r in rounds]
+    return {
+        "init_s_max": statistics.median(maxes),
+        "init_s_max_per_session": maxes,
+        "rss_mb": statistics.median(r[1]["rss_mb"] for r in rounds),  # rank 1, idle server
+        "rss_mb_rank0": statistics.median(r[0]["rss_mb"] for r in rounds),
+        "sessions": len(rounds),
+    }
+
+
+def run_backend(name: str, metrics: list[str], cfg: Config) -> dict[str, Any]:
+    """Run every metric for one backend in fresh process pairs.
+
+    A hung metric is marked and the rest run in a new pair.  Every pair also times
+    init_rpc; extra metric-less pairs are started until ``cfg.init_rounds`` samples exist,
+    because a single init_rpc sample is noisy (store connect retries).
+    """
+    res: dict[str, Any] = {"metrics": {}, "sessions": 0}
+    out: dict[str, Any] = res["metrics"]
+    remaining = list(metrics)
+    budget_end = time.monotonic() + cfg.backend_budget_s
+    init_rounds: list[dict[int, dict[str, float]]] = []
+    init_error: dict[str, str] | None = None
+    while remaining or (init_error is None and len(init_rounds) < cfg.init_rounds):
+        if budget_end - time.monotonic() < 3.0:
+            for m in remaining:
+                out[m] = {"error": "timeout: backend time budget exhausted"}
+            break
+        res["sessions"] += 1
+        session = Session(worker_main, 2, (name, remaining, cfg))
+        session.start()
+        inits: dict[int, dict[str, float]] = {}
+        current: str | None = None
+        finished = False
+        try:
+            while True:
+                limit = cfg.init_timeout_s if len(inits) < 2 else cfg.metric_timeout_s
+                kind, rank, key, payload = session.get(min(limit, budget_end - time.monotonic()))
+                if kind == "init":
+                    inits[rank] = payload
+                elif kind == "start":
+                    current = key
+                    _log(f"{name}: {key} ...")
+                elif kind == "result":
+                    out[key] = payload
+                    remaining.remove(key)
+                    current = None
+                elif kind == "done":
+                    finished = True
+                    break
+                elif kind == "fatal":
+                    res.setdefault("problems", {})[f"{key} rank{rank}"] = payload
+                    raise SessionError(f"rank {rank} failed in {key}: {payload['error']}")
+        except SessionError as exc:
+            err = {"error": str(exc)}
+            if current is not None:  # a metric hung: mark it, retry the rest in new processes
+                out[current] = err
+                remaining.remove(current)
+            else:  # init failed or the processes died between metrics
+                for m in remaining:
+                    out[m] = err
+                remaining = []
+                if len(inits) < 2:
+                    init_error = err
+            _log(f"{name}: {exc}")
+        if finished:
+            _collect_shutdown(session, res, inits, grace=min(30.0, cfg.metric_timeout_s))
+        res.setdefault("exit_codes", []).append(session.close(grace=2.0))
+        if len(inits) == 2:
+            init_rounds.append(inits)
+    if init_rounds:
+        out["init"] = _init_summary(init_rounds)
+    elif init_error is not None:
+        out["init"] = init_error
+    return res
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="few iterations, no 64 MB; < 60 s")
+    p.add_argument("--backends", default="torch,actorrpc", help="comma list of: torch,actorrpc")
+    p.add_argument("--metrics", default=",".join(METRICS), help="comma list (default: all)")
+    p.add_argument("--no-floor", action="store_true", help="skip the bare pyzmq floor")
+    p.add_argument("--json", type=Path, default=RESULTS_DIR / "latest.json", help="JSON path")
+    p.add_argument("--chart", type=Path, default=RESULTS_DIR / "latest.png", help="PNG path")
+    p.add_argument("--no-chart", action="store_true", help="do not draw the chart")
+    p.add_argument(
+        "--pin",
+        choices=("none", "split"),
+        default="none",
+        help="split: pin rank r to CPU r in every run (steadier figures on small VMs)",
+    )
+    args = p.parse_args(argv)
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    args.metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    for b in args.backends:
+        if b not in BACKENDS:
+            p.error(f"unknown backend {b!r} (choose from {', '.join(BACKENDS)})")
+    for m in args.metrics:
+        if m not in METRICS:
+            p.error(f"unknown metric {m!r} (choose from {', '.join(METRICS)})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = replace(QUICK if args.quick else FULL, pin=args.pin)
+    t_start = time.monotonic()
+    report: dict[str, Any] = {
+        "machine": machine_info(),
+        "config": {"quick": args.quick, "backends": args.backends, **asdict(cfg)},
+        "notes": {"bandwidth": BANDWIDTH_NOTE, "ratio": ">1 means actorrpc is better"},
+    }
+    load_1m = report["machine"]["loadavg_at_start"][0]
+    if load_1m > 0.5:
+        _log(f"warning: 1-min load average is {load_1m:.2f}; other work skews the figures")
+    floor: dict[str, Any] = {}
+    if not args.no_floor:
+        _log("pyzmq floor ...")
+        floor = run_floor(cfg)
+    results: dict[str, Any] = {}
+    for backend in args.backends:
+        _log(f"{backend}: starting 2 processes")
+        results[backend] = run_backend(backend, args.metrics, cfg)
+    table = build_table(results, floor)
+    report.update(floor=floor, backends=results, table=table)
+    report["wall_s"] = time.monotonic() - t_start
+    report["loadavg_at_end"] = list(os.getloadavg())
+
+    print(markdown_table(table))
+    print()
+    print(floor_table(results, floor))
+    print(f"\nNote: {BANDWIDTH_NOTE}.")
+    problems = error_lines(results, floor)
+    if problems:
+        print("\nErrors / n/a:")
+        print("\n".join(problems))
+    write_json(args.json, report)
+    print(f"\nJSON written to {args.json}")
+    if not args.no_chart:
+        m = report["machine"]
+        subtitle = f"{m['cpu_model']}, {m['nproc']} CPUs, pin={cfg.pin}, {m['date']}"
+        print(write_chart(args.chart, results, floor, subtitle))
+    print(f"total wall time {report['wall_s']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
