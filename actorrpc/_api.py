@@ -115,8 +115,12 @@ def init_rpc(
         if _current_or_none() is not None:
             raise AlreadyInitializedError("RPC is already initialized in this process")
         agent = Agent(name, rank, world_size, options)
-        agent.start()
-        set_current_agent(agent)
+        set_current_agent(agent)  # before serving starts: served functions may use the API
+        try:
+            agent.start()
+        except BaseException:
+            set_current_agent(None)
+            raise
 
 
 def is_initialized() -> bool:

@@ -513,8 +513,11 @@ class Agent:
             error = ProtocolError(
                 f"message declares {header.nbuffers} buffers but carries {len(frames) - 1}"
             )
-            if is_response:
+            pending = self._pending.get(header.message_id)
+            if is_response and pending is not None and pending.dest.id == header.sender:
                 self._fail_pending(header.message_id, error)
+            elif is_response:
+                self._warn(f"dropped a malformed reply from rank {header.sender}")
             else:
                 self._reply_exception(header.sender, header.message_id, error)
             return
@@ -548,9 +551,13 @@ class Agent:
     def _on_response(
         self, kind: MessageKind, sender: int, message_id: int, frames: list[Any]
     ) -> None:
-        pending = self._pending.pop(message_id, None)
+        pending = self._pending.get(message_id)
         if pending is None:
             return  # a late reply to a call that already timed out
+        if pending.dest.id != sender:
+            self._warn(f"dropped a reply from rank {sender} to a call made to {pending.dest!r}")
+            return
+        del self._pending[message_id]
         if self.tracer.enabled:
             outcome = "error" if kind == MessageKind.EXCEPTION else "ok"
             self.tracer.call_done(message_id, sum(len(f) for f in frames), outcome)

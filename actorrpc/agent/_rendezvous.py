@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
-import pickle
 import secrets
 import socket
 import threading
@@ -114,7 +114,7 @@ def _describe_init_method(init_method: str) -> str:
     return init_method
 
 
-_hosted_stores: dict[tuple[str, int], Any] = {}
+_hosted_stores: dict[tuple[str, int], tuple[Any, socket.socket | None]] = {}
 _hosted_lock = threading.Lock()
 
 
@@ -145,16 +145,19 @@ def _open_store(init_method: str, rank: int, world_size: int, timeout: float) ->
             host, port, None, False, timedelta(seconds=remaining), wait_for_workers=False
         )
     with _hosted_lock:
-        store = _hosted_stores.get((host, port))
-        if store is None:
+        hosted = _hosted_stores.get((host, port))
+        if hosted is None:
             for key in list(_hosted_stores):
                 del _hosted_stores[key]  # a new address: stop hosting the old ones
+            # a local group's store listens on loopback only: it holds the generated secret
+            listener = _loopback_listener(host, port) if _is_loopback(host) else None
             store = dist.TCPStore(
                 host, port, None, True, timedelta(seconds=timeout),
                 wait_for_workers=False, multi_tenant=True,
+                master_listen_fd=listener.fileno() if listener is not None else None,
             )
-            _hosted_stores[(host, port)] = store
-        return store
+            hosted = _hosted_stores[(host, port)] = (store, listener)
+        return hosted[0]
 
 
 def _wait_until_listening(host: str, port: int, deadline: float, init_method: str) -> None:
@@ -172,6 +175,29 @@ def _wait_until_listening(host: str, port: int, deadline: float, init_method: st
                 ) from exc
         time.sleep(interval)
         interval = min(interval * 2, _MAX_POLL_INTERVAL)
+
+
+def _read_entry(raw: bytes, rank: int) -> dict[str, object]:
+    try:
+        entry = json.loads(bytes(raw).decode())
+        if isinstance(entry, dict) and {"name", "endpoint", "identity"} <= set(entry):
+            return entry
+    except (ValueError, UnicodeDecodeError):
+        pass
+    raise RendezvousError(f"the rendezvous entry of rank {rank} is malformed: {bytes(raw)[:80]!r}")
+
+
+def _loopback_listener(host: str, port: int) -> socket.socket:
+    """A listening socket on loopback only, for the store rank 0 hosts for a local group."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((socket.gethostbyname(host), port))
+        listener.listen(1024)
+    except OSError as exc:
+        listener.close()
+        raise RendezvousError(f"cannot host the rendezvous store on {host}:{port}: {exc}") from exc
+    return listener
 
 
 @contextlib.contextmanager
@@ -225,8 +251,21 @@ class Rendezvous:
             raise RendezvousError(self.store.get("error").decode())
 
     def group_secret(self, own_secret: str | None) -> str:
+        """The group secret: our own, else one rank 0 generates and shares through the store.
+
+        Sharing it through the store is safe only when nobody else can reach the
+        store: the master must be on loopback (where the store then listens
+        only on loopback); otherwise an explicit secret is required.
+        """
         if own_secret:
             return own_secret
+        master = master_address(self.init_method)
+        if master is None or not _is_loopback(master[0]):
+            raise RendezvousError(
+                "a group whose master is not on this host needs an explicit secret: set "
+                "ACTORRPC_SECRET (or ACTORRPC_SECRET_FILE, or the 'secret' option) to the same "
+                "value on every worker; `actorrpc launch` generates one for a single node"
+            )
         with _store_errors(f"rank {self.rank} reading the group secret"):
             if self.rank == 0:
                 self.store.set("secret", secrets.token_hex(32))
@@ -243,7 +282,8 @@ class Rendezvous:
                 f"rank {self.rank} was claimed by two workers (this one is named {name!r}); "
                 "every worker needs a unique rank"
             )
-        self.store.set(f"worker/{self.rank}", pickle.dumps((name, endpoint, identity)))
+        published = {"name": name, "endpoint": endpoint, "identity": identity.hex()}
+        self.store.set(f"worker/{self.rank}", json.dumps(published))
         keys = [f"worker/{r}" for r in range(self.world_size)]
         deadline = time.monotonic() + self.timeout
 
@@ -260,7 +300,9 @@ class Rendezvous:
             )
         members = []
         for r in range(self.world_size):
-            member_name, member_endpoint, member_identity = pickle.loads(self.store.get(keys[r]))
+            entry = _read_entry(self.store.get(keys[r]), r)
+            member_name, member_endpoint = str(entry["name"]), str(entry["endpoint"])
+            member_identity = bytes.fromhex(str(entry["identity"]))
             members.append(GroupMember(member_name, r, member_endpoint, member_identity))
         seen: dict[str, int] = {}
         for member in members:
