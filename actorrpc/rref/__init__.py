@@ -5,4 +5,12 @@ from ._proxy import RRefProxy
 from ._remote import debug_info, remote
 from ._rref import RRef, rref_context
 
-__all__ = ["GloballyUniqueId", "RRef", "RRefContext", "RRefProxy", "debug_info", "remote", "rref_context"]
+__all__ = [
+    "GloballyUniqueId",
+    "RRef",
+    "RRefContext",
+    "RRefProxy",
+    "debug_info",
+    "remote",
+    "rref_context",
+]

@@ -28,6 +28,10 @@ Tables (one :class:`RRefContext` per agent):
   of this worker, forked or not.
 * tombstones: the most recent deleted fork ids (bounded, see
   :attr:`RRefContext.TOMBSTONE_LIMIT`).
+* ``call_sequences[rref_id]``: the caller side of per-caller FIFO actor calls
+  (``_proxy.py``): one small counter per RRef this worker ever called through
+  a proxy, kept for the RPC session (the owner side lives on the
+  :class:`OwnerState` and goes with the value).
 
 Invariants:
 
@@ -46,6 +50,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import threading
@@ -59,7 +64,16 @@ import torch
 
 from ..errors import RpcTimeoutError, RRefError
 
-__all__ = ["CHILD_ACCEPT", "USER_DELETE", "GloballyUniqueId", "OwnerState", "RRefContext"]
+__all__ = [
+    "CHILD_ACCEPT",
+    "USER_DELETE",
+    "GloballyUniqueId",
+    "OwnerState",
+    "RRefContext",
+    "copy_exception",
+    "settle",
+    "wait_result",
+]
 
 _log = logging.getLogger("actorrpc.rref")
 
@@ -96,19 +110,68 @@ class Handle(Protocol):
 SendControl = Callable[[int, str, tuple[Any, ...]], Any]
 
 
+def copy_exception(error: BaseException, keep_traceback: bool = False) -> BaseException:
+    """A fresh exception of the same type and arguments as ``error``.
+
+    Why: a ``torch.futures.Future`` holding an exception is invisible to the
+    garbage collector. Raising the stored object again appends the raising
+    frames to its traceback, and when one of them references the future (or an
+    RRef) that is a reference cycle gc can never free. Raising copies keeps the
+    stored exception free of our frames. ``keep_traceback`` starts the copy's
+    traceback at ``error``'s (shared, never extended). Falls back to ``error``
+    itself when its type cannot be copied.
+    """
+    try:
+        fresh = copy.copy(error)
+    except Exception:  # noqa: BLE001 - an exception type copy cannot rebuild
+        return error
+    if type(fresh) is not type(error):
+        return error
+    return fresh.with_traceback(error.__traceback__ if keep_traceback else None)
+
+
+def settle(future: torch.futures.Future[Any]) -> tuple[Any, BaseException | None]:
+    """Wait for ``future``: ``(value, None)`` or ``(None, a copy of its error)``.
+
+    The stored exception's traceback is cleared: the frames that just re-raised it
+    (``Future.wait`` and this one) hold the future, which holds the exception.
+    """
+    try:
+        return future.wait(), None
+    except BaseException as exc:  # noqa: BLE001 - returned to the caller
+        exc.__traceback__ = None
+        return None, copy_exception(exc)
+
+
+def wait_result(future: torch.futures.Future[Any]) -> Any:
+    """``future.wait()``, raising a copy of its error (see :func:`copy_exception`)."""
+    value, error = settle(future)
+    del future
+    if error is None:
+        return value
+    try:
+        raise error
+    finally:
+        del error  # this frame must not keep the exception whose traceback holds it
+
+
 class OwnerState:
     """The value held by an owner RRef, or the error that creating it raised.
 
-    Also holds the per-caller FIFO queues of actor calls on this value
-    (``actor_queues``, managed by ``_proxy.py``), so they live exactly as long
-    as the value can still be called.
+    ``ready`` completes with ``None`` once either is set (a signal only: the
+    value and error live in plain attributes, so no exception is ever stored in
+    a future, see :func:`copy_exception`). Also holds the per-caller FIFO
+    queues of actor calls on this value (``actor_queues``, managed by
+    ``_proxy.py``), so they live exactly as long as the value can be called.
     """
 
     def __init__(self, rref_id: GloballyUniqueId, type_name: str = "") -> None:
         self.rref_id = rref_id
-        self.ready: torch.futures.Future[Any] = torch.futures.Future()
+        self.ready: torch.futures.Future[None] = torch.futures.Future()
         self._event = threading.Event()
         self._set_lock = threading.Lock()
+        self._value: Any = None
+        self._error: BaseException | None = None
         self.type_name = type_name
         self.actor_queues: dict[Any, Any] = {}
         self.actor_lock = threading.Lock()
@@ -118,26 +181,35 @@ class OwnerState:
         with self._set_lock:
             if self._event.is_set():
                 return
+            self._value = value
             self.type_name = type(value).__qualname__
             self._event.set()
-        self.ready.set_result(value)
+        self.ready.set_result(None)
 
     def set_error(self, error: BaseException) -> None:
-        """Complete with ``error`` (the first completion wins)."""
+        """Complete with ``error`` (the first completion wins); its traceback must not
+        reference this state (a cycle through the traceback's frames)."""
         with self._set_lock:
             if self._event.is_set():
                 return
+            self._error = error
             self._event.set()
-        self.ready.set_exception(error)
+        self.ready.set_result(None)
 
     def wait(self, timeout: float) -> Any:
-        """The value (or raise its error); ``timeout <= 0`` waits forever."""
+        """The value (or raise a copy of its error); ``timeout <= 0`` waits forever."""
         if not self._event.wait(timeout if timeout > 0 else None):
             raise RpcTimeoutError(
                 f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) waiting for "
                 f"the value of RRef {self.rref_id!r} to be created"
             )
-        return self.ready.wait()
+        if self._error is not None:
+            raise copy_exception(self._error, keep_traceback=True)
+        return self._value
+
+    def error(self) -> BaseException | None:
+        """The creation error (``None`` while pending or when it succeeded)."""
+        return self._error
 
     def is_ready(self) -> bool:
         return self._event.is_set()
@@ -151,7 +223,7 @@ class RRefContext:
 
     def __init__(self, rank: int, send_control: SendControl) -> None:
         self.rank = rank
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(0)  # torch numbers RRef and fork ids from 0
         self._lock = threading.RLock()
         self._send_control = send_control
         self.owners: dict[GloballyUniqueId, OwnerState] = {}
@@ -275,12 +347,11 @@ class RRefContext:
     ) -> OwnerState:
         """An RRef this worker owns arrived in a message; return its state.
 
-        * ``fork_id is None``: sent by this owner to itself before forks were
-          registered for self-sends (kept for safety): just look it up.
-        * ``parent is None``: the owner forked it to itself; that fork kept the
-          value alive in flight and is dropped now.
+        * ``parent is None``: the owner sent it to itself; the fork registered
+          for the trip kept the value alive in flight and is dropped now.
         * otherwise case 2 (a user sent it back to the owner): accept the child
           so the parent may go (no fork is registered).
+        * ``fork_id is None`` is not sent any more; such a handle is just looked up.
         """
         with self._lock:
             state = self.local_states.get(rref_id) or self.get_or_create_owner(rref_id)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..agent import current_agent
-from ._context import GloballyUniqueId, OwnerState, RRefContext
+from ._context import GloballyUniqueId, OwnerState, RRefContext, settle, wait_result
 from ._rref import RRef, rref_context
 
 __all__ = ["RRefProxy", "fetch_type", "invoke_method", "rref_backward"]
@@ -140,7 +140,9 @@ def invoke_method(rref: RRef[Any], name: str, args: Any, kwargs: Any, ticket: An
         try:
             outcome = _call(getattr(rref.local_value(), name), args, kwargs)
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
-            result.set_exception(exc)
+            # without this frame: it holds ``result``, which will hold the exception
+            trace = exc.__traceback__
+            result.set_exception(exc.with_traceback(trace.tb_next if trace else None))
             return
         if isinstance(outcome, torch._C.Future):
             outcome.add_done_callback(lambda f: _forward(f, result))
@@ -161,18 +163,25 @@ def invoke_method(rref: RRef[Any], name: str, args: Any, kwargs: Any, ticket: An
     return result
 
 
+def _invoke_in_order(ticket: Any, name: str, args: Any, kwargs: Any, rref: RRef[Any]) -> Any:
+    """What a proxy sends: :func:`invoke_method` with the RRef pickled last."""
+    return invoke_method(rref, name, args, kwargs, ticket)
+
+
+_invoke_in_order._actorrpc_async_execution = True  # type: ignore[attr-defined]
+
+
 def _value_or_none(state: OwnerState) -> Any:
-    try:
-        return state.wait(0)
-    except BaseException:  # noqa: BLE001 - a failed creation: no value
-        return None
+    """The value of a ready state, ``None`` if its creation failed."""
+    return None if state.error() is not None else state.wait(0)
 
 
 def _forward(source: torch.futures.Future[Any], target: torch.futures.Future[Any]) -> None:
-    try:
-        target.set_result(source.wait())
-    except BaseException as exc:  # noqa: BLE001
-        target.set_exception(exc)
+    value, error = settle(source)
+    if error is None:
+        target.set_result(value)
+    else:
+        target.set_exception(error)
 
 
 def _call(method: Any, args: Any, kwargs: Any) -> Any:
@@ -216,15 +225,18 @@ class RRefProxy:
             sequence = _caller_sequence(rref_context(agent), rref._rref_id)
             with sequence.lock:  # number order == send order; a failed send keeps the number
                 order = _CallOrder(rref._rref_id, agent.rank, sequence.next)
-                payload = (rref, name, args, kwargs, order)
+                # The RRef goes last: arguments that cannot be pickled fail before it is
+                # forked. The ticket goes first: it exists on the owner even when the
+                # arguments then fail to unpickle there.
+                payload = (order, name, args, kwargs, rref)
                 if mode == "remote":
-                    handle = remote(dest, invoke_method, payload, timeout=timeout)
+                    handle = remote(dest, _invoke_in_order, payload, timeout=timeout)
                 else:
-                    future = agent.call(dest, invoke_method, payload, {}, timeout)
+                    future = agent.call(dest, _invoke_in_order, payload, {}, timeout)
                 sequence.next += 1
             if mode == "remote":
                 return handle
-            return future.wait() if mode == "sync" else future
+            return wait_result(future) if mode == "sync" else future
 
         method.__name__ = name
         return method
@@ -244,7 +256,7 @@ def fetch_type(rref: RRef[Any], timeout: float = -1.0) -> type:
         if rref.is_owner():
             cached = _type_of(rref)
         else:
-            cached = current_agent().call(rref.owner(), _type_of, (rref,), {}, timeout).wait()
+            cached = wait_result(current_agent().call(rref.owner(), _type_of, (rref,), {}, timeout))
         rref._type_cache = cached  # type: ignore[attr-defined]
     return cached  # type: ignore[no-any-return]
 
@@ -258,4 +270,4 @@ def _backward_on_owner(rref: RRef[Any], context_id: int, retain_graph: bool) -> 
 def rref_backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
     """``rref.backward(ctx_id)``: distributed backward from the owner's value."""
     agent = current_agent()
-    agent.call(rref.owner(), _backward_on_owner, (rref, context_id, retain_graph), {}).wait()
+    wait_result(agent.call(rref.owner(), _backward_on_owner, (rref, context_id, retain_graph), {}))

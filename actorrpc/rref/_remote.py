@@ -12,7 +12,15 @@ from ..agent import Agent, IncomingRequest, current_agent, register_agent_plugin
 from ..errors import ShutdownError
 from ..protocol import MessageKind
 from ..serialization import register_reducer
-from ._context import CHILD_ACCEPT, USER_DELETE, GloballyUniqueId, OwnerState, RRefContext
+from ._context import (
+    CHILD_ACCEPT,
+    USER_DELETE,
+    GloballyUniqueId,
+    OwnerState,
+    RRefContext,
+    copy_exception,
+    settle,
+)
 from ._rref import RRef, _reduce_rref, creation_timeout_error, rref_context, send_child_accept
 
 __all__ = ["debug_info", "remote"]
@@ -77,10 +85,11 @@ def remote(
     rref._creation_future = future
 
     def created(done: torch.futures.Future[Any]) -> None:
-        try:
-            done.wait()
-        except BaseException as exc:  # noqa: BLE001 - stored on the RRef
-            rref._creation_error = creation_timeout_error(exc, rref)
+        # REMOTE_RET succeeds even when the function raised (the owner keeps that error);
+        # a failure here means the owner may never have run it (timeout, peer gone).
+        _, error = settle(done)
+        if error is not None:
+            rref._creation_error = creation_timeout_error(error, rref)
         ctx.confirm_user(fork_id)
 
     future.add_done_callback(created)
@@ -88,10 +97,9 @@ def remote(
 
 
 def _self_created(ctx: RRefContext, state: OwnerState, future: torch.futures.Future[Any]) -> None:
-    try:
-        future.wait()
-    except BaseException as exc:  # noqa: BLE001
-        state.set_error(exc)
+    _, error = settle(future)
+    if error is not None:  # the call itself failed (e.g. timed out): the handler may not run
+        state.set_error(error)
         ctx.release_if_unforked(state.rref_id)
 
 
@@ -104,30 +112,49 @@ def debug_info() -> dict[str, int]:
 
 
 def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
+    """REMOTE_CALL: register the creator's fork, run the function, keep its result.
+
+    The function's error is kept on the owner like its value ("created with an
+    error"): REMOTE_RET succeeds and confirms the user, which may be shared, and
+    every ``to_here()``/proxy call re-raises the error (as torch does).
+    """
     func, args, kwargs, meta, rref_id, fork_id = request.payload
     ctx = rref_context(agent)
     state = ctx.on_remote_call(rref_id, fork_id)
-    try:
-        value = agent.serve(
-            request.sender, meta, args, kwargs,
-            lambda call: run_user_function(func, call.args, call.kwargs),
-        )
-    except BaseException as exc:
-        state.set_error(exc)
-        _release_self_owner(ctx, rref_id, fork_id)
-        raise
-    if isinstance(value, torch._C.Future):
-        def settle(done: torch.futures.Future[Any]) -> None:
-            try:
-                state.set_value(done.wait())
-            except BaseException as exc:  # noqa: BLE001
-                state.set_error(exc)
+    value, error = _run_creation(agent, request.sender, func, args, kwargs, meta)
+    if error is None and isinstance(value, torch._C.Future):
+        def store(done: torch.futures.Future[Any]) -> None:
+            result, failure = settle(done)
+            if failure is None:
+                state.set_value(result)
+            else:
+                state.set_error(failure)
             _release_self_owner(ctx, rref_id, fork_id)
 
-        return value.then(settle)
-    state.set_value(value)
+        return value.then(store)
+    if error is None:
+        state.set_value(value)
+    else:
+        state.set_error(error)
     _release_self_owner(ctx, rref_id, fork_id)
     return None
+
+
+def _run_creation(
+    agent: Agent, sender: Any, func: Any, args: Any, kwargs: Any, meta: Any
+) -> tuple[Any, BaseException | None]:
+    """Run the function: ``(value, None)`` or ``(None, error)``.
+
+    A separate frame: the error's traceback (kept on the owner state) must not
+    reference a frame that holds the state.
+    """
+    try:
+        value = agent.serve(
+            sender, meta, args, kwargs, lambda call: run_user_function(func, call.args, call.kwargs)
+        )
+    except BaseException as exc:  # noqa: BLE001 - stored on the owner
+        return None, exc
+    return value, None
 
 
 def _release_self_owner(ctx: RRefContext, rref_id: GloballyUniqueId, fork_id: Any) -> None:
@@ -136,14 +163,26 @@ def _release_self_owner(ctx: RRefContext, rref_id: GloballyUniqueId, fork_id: An
 
 
 def _handle_fetch(agent: Agent, request: IncomingRequest) -> Any:
+    """RREF_FETCH (``to_here``): reply with the value, or its error, once it exists."""
     rref_id, meta = request.payload
     ctx = rref_context(agent)
     state = ctx.local_states.get(rref_id) or ctx.get_or_create_owner(rref_id)
+    reply: torch.futures.Future[Any] = torch.futures.Future()
 
-    def deliver(done: torch.futures.Future[Any]) -> Any:
-        return agent.serve(request.sender, meta, (), {}, lambda call: done.value())
+    def deliver(_: torch.futures.Future[None]) -> None:
+        # No exception is raised through this frame (it holds ``reply``, which would hold
+        # the exception: see copy_exception); the caller gets the error's own type.
+        error = state.error()
+        if error is not None:
+            reply.set_exception(copy_exception(error, keep_traceback=True))
+            return
+        try:
+            reply.set_result(agent.serve(request.sender, meta, (), {}, lambda call: state.wait(0)))
+        except BaseException as exc:  # noqa: BLE001 - a hook failed: the caller gets it
+            reply.set_exception(copy_exception(exc))
 
-    return state.ready.then(deliver)
+    state.ready.add_done_callback(deliver)
+    return reply
 
 
 def _handle_fork_request(agent: Agent, request: IncomingRequest) -> None:

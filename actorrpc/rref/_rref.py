@@ -21,13 +21,16 @@ Sharing cases (A, B, C are workers; B owns the value):
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Generic, TypeVar
+
+import torch
 
 from ..agent import Agent, Future, WorkerInfo, current_agent
 from ..errors import RpcTimeoutError, RRefError, SerializationError
 from ..protocol import MessageKind
 from ..serialization import current_pickle_target, current_unpickle_source
-from ._context import GloballyUniqueId, OwnerState, RRefContext
+from ._context import GloballyUniqueId, OwnerState, RRefContext, copy_exception, settle, wait_result
 
 __all__ = ["RRef", "rref_context"]
 
@@ -140,9 +143,10 @@ class RRef(Generic[T]):
     def local_value(self) -> T:
         """The value itself; only on the owner."""
         if self._state is None:
-            raise RRefError(
-                f"{self} is not the owner: call local_value() on its owner {self._owner!r}, "
-                "or use to_here() to fetch a copy"
+            raise RRefError(  # torch's wording (tests match it), plus the way out
+                f"For UserRRef(rref_id={self._rref_id!r}, fork_id={self._fork_id!r}), can't call "
+                f"localValue() on user {self._agent.info!r}. Call it on owner {self._owner!r} "
+                "(local_value() is only available on the owner; use to_here() to fetch a copy)"
             )
         return self._state.wait(0)  # type: ignore[no-any-return]
 
@@ -154,13 +158,16 @@ class RRef(Generic[T]):
         if self._state is not None:
             return self._state.wait(effective)  # type: ignore[no-any-return]
         if self._creation_error is not None:
-            raise self._creation_error
+            raise copy_exception(self._creation_error)
         record, on_result = agent.prepare_call(self._owner, (), {})
         future = agent.send_request(
             self._owner, MessageKind.RREF_FETCH, (self._rref_id, record.meta), timeout,
             description=f"to_here() of {self}", on_result=on_result,
         )
-        return future.wait()  # type: ignore[no-any-return]
+        creation = self._creation_future
+        if creation is not None and not creation.done():
+            return wait_result(_unless_creation_fails(future, creation, self))
+        return wait_result(future)
 
     def _get_future(self) -> Future[Any]:
         """The future of the ``remote()`` call that created this RRef."""
@@ -237,6 +244,38 @@ class RRef(Generic[T]):
             pass
 
 
+def _unless_creation_fails(
+    fetch: Future[Any], creation: Future[Any], rref: RRef[Any]
+) -> torch.futures.Future[Any]:
+    """``fetch``, failed early if the RRef's ``remote()`` fails first (e.g. times out).
+
+    ``remote()``'s own callback on ``creation`` ran first and set ``_creation_error``.
+    """
+    either: torch.futures.Future[Any] = torch.futures.Future()
+    lock = threading.Lock()
+
+    def finish(value: Any, error: BaseException | None) -> None:
+        with lock:
+            if either.done():
+                return
+            if error is None:
+                either.set_result(value)
+            else:
+                either.set_exception(error)
+
+    def fetched(done: torch.futures.Future[Any]) -> None:
+        finish(*settle(done))
+
+    def created(_: torch.futures.Future[Any]) -> None:
+        error = rref._creation_error
+        if error is not None:
+            finish(None, copy_exception(error))
+
+    fetch.add_done_callback(fetched)
+    creation.add_done_callback(created)
+    return either
+
+
 def ctx_register(ctx: RRefContext, state: OwnerState) -> None:
     ctx.register_local(state)
 
@@ -275,10 +314,9 @@ def _rebuild_rref(
     )
 
     def acknowledged(done: Any) -> None:
-        try:
-            done.wait()
-        except Exception as exc:  # noqa: BLE001 - the owner refused; still release the parent
-            _log.warning("fork request for %s failed: %s", rref_id, exc)
+        _, error = settle(done)
+        if error is not None:  # the owner refused or is gone; still release the parent
+            _log.warning("fork request for %s failed: %s", rref_id, error)
         ctx.fork_acknowledged(fork_id, parent)
 
     confirmed = request.then(acknowledged)
