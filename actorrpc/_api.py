@@ -115,12 +115,8 @@ def init_rpc(
         if _current_or_none() is not None:
             raise AlreadyInitializedError("RPC is already initialized in this process")
         agent = Agent(name, rank, world_size, options)
-        set_current_agent(agent)  # before serving starts: served functions may use the API
-        try:
-            agent.start()
-        except BaseException:
-            set_current_agent(None)
-            raise
+        # current once the group is known, before serving starts: served functions use the API
+        agent.start(on_joined=lambda: set_current_agent(agent))
 
 
 def is_initialized() -> bool:

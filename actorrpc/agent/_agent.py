@@ -201,8 +201,11 @@ class Agent:
 
     # -- membership -----------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Join the group, then start serving: messages that arrive earlier wait in the inbox."""
+    def start(self, on_joined: Callable[[], None] | None = None) -> None:
+        """Join the group, call ``on_joined``, then start serving.
+
+        Messages that arrive before serving starts wait in the inbox.
+        """
         try:
             members = self._rendezvous.join(self.name, self._transport.endpoint, self.identity)
         except BaseException:
@@ -215,6 +218,8 @@ class Agent:
             self._infos[member.rank] = info
             self._by_name[member.name] = info
         self._running = True
+        if on_joined is not None:
+            on_joined()
         self._io_thread = threading.Thread(
             target=self._io_loop, name=f"actorrpc-io-{self.name}", daemon=True
         )
