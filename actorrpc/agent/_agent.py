@@ -217,9 +217,9 @@ class Agent:
             info = WorkerInfo(member.name, member.rank)
             self._infos[member.rank] = info
             self._by_name[member.name] = info
-        self._running = True
         if on_joined is not None:
             on_joined()
+        self._running = True
         self._io_thread = threading.Thread(
             target=self._io_loop, name=f"actorrpc-io-{self.name}", daemon=True
         )
