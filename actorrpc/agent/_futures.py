@@ -9,6 +9,7 @@ fails instead of blocking forever when the agent that should complete it dies.
 from __future__ import annotations
 
 import _thread
+import copy
 import threading
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
@@ -33,6 +34,7 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
     def __init__(self, description: Any = "", agent: Any = None) -> None:
         super().__init__()
         self._done = False
+        self._error: BaseException | None = None
         self._gate = _thread.allocate_lock()  # released once, when the future completes
         self._gate.acquire()
         self._description = description  # a str, or a callable that makes one when needed
@@ -57,6 +59,8 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
                         f"the RPC agent stopped before {self.description or 'the future'} completed"
                     )
             self._gate.release()  # let any other waiter through
+        if self._error is not None:
+            raise _fresh(self._error)
         return super().wait()  # type: ignore[no-any-return]
 
     def __await__(self) -> Generator[Any, None, T]:
@@ -81,6 +85,20 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
         return f"<actorrpc.Future {self.description} {state}>"
 
 
+def _fresh(error: BaseException) -> BaseException:
+    """A copy of a stored error to raise, so the stored one never collects a traceback.
+
+    (A traceback holds the frames it passes through, and they may hold the
+    future itself: a cycle through the C++ future that gc cannot break.)
+    """
+    try:
+        fresh = copy.copy(error)
+    except Exception:  # noqa: BLE001 - an uncopyable error is raised as it is
+        return error
+    fresh.__cause__ = error.__cause__
+    return fresh.with_traceback(None)
+
+
 def complete(future: Future[Any], value: Any = None, error: BaseException | None = None) -> None:
     """Complete ``future`` once; later completions (a late reply after a timeout) are ignored."""
     if future._done:
@@ -88,6 +106,7 @@ def complete(future: Future[Any], value: Any = None, error: BaseException | None
     future._done = True
     try:
         if error is not None:
+            future._error = error
             future.set_exception(error)
         else:
             future.set_result(value)
