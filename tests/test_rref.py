@@ -26,7 +26,7 @@ import torch
 
 import actorrpc as rpc
 from actorrpc.rref import rref_context
-from actorrpc.rref._context import settle
+from actorrpc.rref._context import GloballyUniqueId, settle
 
 # How many remote() -> share -> drop cycles the load test runs (the issue asks for 10,000).
 LOAD_CYCLES = int(os.environ.get("ACTORRPC_RREF_LOAD_CYCLES", "10000"))
@@ -584,7 +584,8 @@ def test_failed_remote_stores_original_error(owner: str) -> None:
     for _ in range(2):
         with pytest.raises(ValueError, match="boom"):
             rref.to_here()
-    assert rref._get_future().wait() is None  # like torch: the owner keeps the error
+    error = error_of(rref._get_future())  # the creation reports it too
+    assert isinstance(error, ValueError) and "boom" in str(error)
     with pytest.raises(ValueError, match="boom"):
         rref.rpc_sync().anything()
     error = error_of(rref.rpc_async().anything())
@@ -644,6 +645,28 @@ def test_to_here_timeout() -> None:
     assert own.to_here() == 7
     del rref, own
     wait_tables_empty()
+
+
+def _requests_in_flight() -> int:
+    from actorrpc.agent import current_agent
+
+    return current_agent()._inflight
+
+
+@pytest.mark.timeout(60)
+def test_orphan_fetch_is_released_on_the_owner() -> None:
+    """A fetch of an RRef its owner never hears of ends on the owner at the caller's timeout."""
+    from actorrpc.agent import current_agent
+    from actorrpc.protocol import MessageKind
+
+    agent = current_agent()
+    never = GloballyUniqueId(2, 10**9)
+    fetch = agent.send_request(agent.resolve("worker1"), MessageKind.RREF_FETCH,
+                               (never, {}, 0.5), 0.5, description="orphan fetch")
+    assert isinstance(error_of(fetch), rpc.RpcTimeoutError)
+    wait_for(lambda: rpc.rpc_sync("worker1", _requests_in_flight) == 1,
+             "worker1 to drop the fetch (only this query in flight)")
+    wait_tables_empty()  # and the pending owner entry the fetch made is gone
 
 
 # -- the actor API --------------------------------------------------------------------------------

@@ -700,14 +700,18 @@ def test_unforked_local_rref_not_in_owner_table() -> None:
 
 
 def test_failed_creation_cannot_be_shared() -> None:
+    """A remote() that itself failed (timeout...) cannot be shared; a raising function can."""
     sim = Sim()
     sim.remote("a", 0, 1)
     sim.actions[0].fire()
     handle = sim.handles["a"]
-    handle._creation_error = ValueError("boom")
+    handle._creation_error = RpcTimeoutError("RPC ran for more than set timeout")
     with pytest.raises(RRefError, match="creation failed"):
         sim.ctxs[0].fork_for(handle, 2)
     assert sim.ctxs[0].debug_info()["num_pending_children"] == 0
+    handle._creation_error = ValueError("raised by the function; the owner keeps it")
+    fork_id, parent = sim.ctxs[0].fork_for(handle, 2)
+    assert parent == 0 and sim.ctxs[0].debug_info()["num_pending_children"] == 1
 
 
 def test_forgotten_pending_user_sends_nothing() -> None:

@@ -62,7 +62,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ..errors import RpcTimeoutError, RRefError
+from ..errors import ActorRpcError, RpcTimeoutError, RRefError
 
 __all__ = [
     "CHILD_ACCEPT",
@@ -375,9 +375,12 @@ class RRefContext:
             fork_id = self.new_id()
             self.add_fork(handle._state, fork_id)
             return fork_id, None
-        if handle._creation_error is not None:
+        if isinstance(handle._creation_error, ActorRpcError):
+            # the REMOTE_CALL itself failed (timed out, peer gone, undecodable): the
+            # owner may never have registered this value. (A function that raised is
+            # different: its owner keeps the error and the RRef can be shared.)
             raise RRefError(
-                f"cannot share {handle}: its creation failed: {handle._creation_error}"
+                f"cannot share {handle}: RRef creation failed: {handle._creation_error}"
             )
         fork_id = self.new_id()
         self.add_pending_child(fork_id, handle)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..agent import Agent, IncomingRequest, current_agent, register_agent_plugin, run_user_function
-from ..errors import ShutdownError
+from ..errors import ProtocolError, RpcTimeoutError, ShutdownError
 from ..protocol import MessageKind
 from ..serialization import register_reducer
 from ._context import (
@@ -85,8 +89,8 @@ def remote(
     rref._creation_future = future
 
     def created(done: torch.futures.Future[Any]) -> None:
-        # REMOTE_RET succeeds even when the function raised (the owner keeps that error);
-        # a failure here means the owner may never have run it (timeout, peer gone).
+        # The function's own error (also kept by the owner), or a failure of the call
+        # itself (timeout, peer gone: the owner may never have run it).
         _, error = settle(done)
         if error is not None:
             rref._creation_error = creation_timeout_error(error, rref)
@@ -114,15 +118,19 @@ def debug_info() -> dict[str, int]:
 def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
     """REMOTE_CALL: register the creator's fork, run the function, keep its result.
 
-    The function's error is kept on the owner like its value ("created with an
-    error"): REMOTE_RET succeeds and confirms the user, which may be shared, and
-    every ``to_here()``/proxy call re-raises the error (as torch does).
+    A function's error is kept on the owner like a value (every ``to_here()``
+    and proxy call re-raises it here) and also fails the REMOTE_CALL, so the
+    creator's ``_get_future()`` and ``to_here()`` raise it without another
+    trip. The owner still holds the fork, so the RRef may be shared and dropped
+    like any other (``RRefContext.fork_for``).
     """
     func, args, kwargs, meta, rref_id, fork_id = request.payload
     ctx = rref_context(agent)
     state = ctx.on_remote_call(rref_id, fork_id)
     value, error = _run_creation(agent, request.sender, func, args, kwargs, meta)
     if error is None and isinstance(value, torch._C.Future):
+        reply: torch.futures.Future[Any] = torch.futures.Future()
+
         def store(done: torch.futures.Future[Any]) -> None:
             result, failure = settle(done)
             if failure is None:
@@ -130,14 +138,20 @@ def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
             else:
                 state.set_error(failure)
             _release_self_owner(ctx, rref_id, fork_id)
+            if failure is None:
+                reply.set_result(None)
+            else:  # a copy: ``reply`` must not hold the exception the state holds
+                reply.set_exception(copy_exception(failure))
 
-        return value.then(store)
+        value.add_done_callback(store)
+        return reply
     if error is None:
         state.set_value(value)
-    else:
-        state.set_error(error)
+        _release_self_owner(ctx, rref_id, fork_id)
+        return None
+    state.set_error(error)
     _release_self_owner(ctx, rref_id, fork_id)
-    return None
+    raise copy_exception(error, keep_traceback=True)
 
 
 def _run_creation(
@@ -162,41 +176,161 @@ def _release_self_owner(ctx: RRefContext, rref_id: GloballyUniqueId, fork_id: An
         ctx.release_if_unforked(rref_id)
 
 
-def _handle_fetch(agent: Agent, request: IncomingRequest) -> Any:
-    """RREF_FETCH (``to_here``): reply with the value, or its error, once it exists."""
-    rref_id, meta = request.payload
-    ctx = rref_context(agent)
-    state = ctx.local_states.get(rref_id) or ctx.get_or_create_owner(rref_id)
-    reply: torch.futures.Future[Any] = torch.futures.Future()
+class _Timers:
+    """One daemon thread that runs delayed callbacks (the owner's limit on a fetch)."""
 
-    def deliver(_: torch.futures.Future[None]) -> None:
-        # No exception is raised through this frame (it holds ``reply``, which would hold
-        # the exception: see copy_exception); the caller gets the error's own type.
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._cond = threading.Condition()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (time.monotonic() + delay, next(self._ids), callback))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="actorrpc-rref-timers", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap:
+                    self._cond.wait()
+                when, _, callback = self._heap[0]
+                delay = when - time.monotonic()
+                if delay > 0:
+                    self._cond.wait(delay)
+                    continue
+                heapq.heappop(self._heap)
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - a timer must never stop the others
+                _log.exception("error in an RRef timer")
+
+
+_timers = _Timers()
+
+
+class _Fetch:
+    """One RREF_FETCH waiting for a value not yet created: replied exactly once.
+
+    Either the value (or its error) arrives, or the limit expires first and the
+    reply is a timeout, so a fetch of an RRef the owner never hears of (its
+    creator died, or the creation timed out) does not stay in flight for ever.
+    Once replied it drops every reference (the timer keeps only this shell, so a
+    fetched value is not held until the limit passes).
+    """
+
+    def __init__(
+        self,
+        agent: Agent,
+        request: IncomingRequest,
+        meta: Any,
+        state: OwnerState,
+        reply: torch.futures.Future[Any],
+    ) -> None:
+        self.lock = threading.Lock()
+        self.meta = meta
+        self._parts: tuple[Agent, IncomingRequest, OwnerState, Any] | None = (
+            agent, request, state, reply
+        )
+
+    def _take(self) -> tuple[Agent, IncomingRequest, OwnerState, Any] | None:
+        """Everything needed to reply, once (then this object holds nothing)."""
+        with self.lock:
+            parts, self._parts = self._parts, None
+            return parts
+
+    def deliver(self, _: Any = None) -> None:
+        # No exception is raised through this frame: the reply future would hold it, and
+        # a traceback through a frame holding that future is a cycle gc cannot free (see
+        # copy_exception). The caller gets the error's own type.
+        parts = self._take()
+        if parts is None:
+            return
+        agent, request, state, reply = parts
         error = state.error()
         if error is not None:
             reply.set_exception(copy_exception(error, keep_traceback=True))
             return
         try:
-            reply.set_result(agent.serve(request.sender, meta, (), {}, lambda call: state.wait(0)))
+            value = agent.serve(request.sender, self.meta, (), {}, lambda call: state.wait(0))
         except BaseException as exc:  # noqa: BLE001 - a hook failed: the caller gets it
             reply.set_exception(copy_exception(exc))
+            return
+        reply.set_result(value)
 
-    state.ready.add_done_callback(deliver)
+    def expire(self, limit: float) -> None:
+        parts = self._take()
+        if parts is None:
+            return
+        agent, _, state, reply = parts
+        reply.set_exception(RpcTimeoutError(
+            f"RPC ran for more than set timeout ({int(limit * 1000)} ms) waiting on "
+            f"{agent.name!r} for RRef {state.rref_id!r} to be created"
+        ))
+        if not state.is_ready():  # a pending owner nobody created: forget it
+            rref_context(agent).release_if_unforked(state.rref_id)
+
+
+def _handle_fetch(agent: Agent, request: IncomingRequest) -> Any:
+    """RREF_FETCH (``to_here``): reply with the value, or its error, once it exists.
+
+    Payload ``(rref_id, meta[, timeout])``: the caller's timeout (``0``: none)
+    bounds the wait here too; without one the owner's default RPC timeout does.
+    """
+    rref_id, meta, timeout = _fetch_payload(request.payload)
+    limit = agent.effective_timeout(timeout)
+    ctx = rref_context(agent)
+    state = ctx.local_states.get(rref_id) or ctx.get_or_create_owner(rref_id)
+    reply: torch.futures.Future[Any] = torch.futures.Future()
+    fetch = _Fetch(agent, request, meta, state, reply)
+    if not state.is_ready() and limit > 0:
+        _timers.call_later(limit, lambda: fetch.expire(limit))
+    state.ready.add_done_callback(fetch.deliver)
     return reply
 
 
+def _fetch_payload(payload: Any) -> tuple[GloballyUniqueId, dict[str, Any], float]:
+    """``(rref_id, meta[, timeout])``, checked: a malformed request is refused at once."""
+    if isinstance(payload, tuple) and len(payload) in (2, 3):
+        rref_id, meta, *rest = payload
+        timeout = rest[0] if rest else -1.0
+        if (isinstance(rref_id, tuple) and isinstance(meta, dict)
+                and isinstance(timeout, (int, float)) and not isinstance(timeout, bool)):
+            return rref_id, meta, float(timeout)  # type: ignore[return-value]
+    raise ProtocolError(f"malformed RREF_FETCH payload: {_describe(payload)}")
+
+
+def _ids(payload: Any, count: int, kind: str) -> tuple[Any, ...]:
+    """``count`` RRef/fork ids (tuples) from a control message, or ProtocolError."""
+    if (isinstance(payload, tuple) and len(payload) == count
+            and all(isinstance(i, tuple) for i in payload)):
+        return payload
+    raise ProtocolError(f"malformed {kind} payload: {_describe(payload)}")
+
+
+def _describe(payload: Any) -> str:
+    text = repr(payload)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _handle_fork_request(agent: Agent, request: IncomingRequest) -> None:
-    rref_id, fork_id = request.payload
+    rref_id, fork_id = _ids(request.payload, 2, "RREF_FORK_REQUEST")
     rref_context(agent).on_fork_request(rref_id, fork_id)
 
 
 def _handle_child_accept(agent: Agent, request: IncomingRequest) -> None:
-    (fork_id,) = request.payload
+    (fork_id,) = _ids(request.payload, 1, "RREF_CHILD_ACCEPT")
     rref_context(agent).on_child_accept(fork_id)
 
 
 def _handle_user_delete(agent: Agent, request: IncomingRequest) -> None:
-    rref_id, fork_id = request.payload
+    rref_id, fork_id = _ids(request.payload, 2, "RREF_USER_DELETE")
     rref_context(agent).on_user_delete(rref_id, fork_id)
 
 

@@ -160,9 +160,9 @@ class RRef(Generic[T]):
         if self._creation_error is not None:
             raise copy_exception(self._creation_error)
         record, on_result = agent.prepare_call(self._owner, (), {})
-        future = agent.send_request(
-            self._owner, MessageKind.RREF_FETCH, (self._rref_id, record.meta), timeout,
-            description=f"to_here() of {self}", on_result=on_result,
+        future = agent.send_request(  # the owner bounds its wait by the same timeout
+            self._owner, MessageKind.RREF_FETCH, (self._rref_id, record.meta, effective),
+            timeout, description=f"to_here() of {self}", on_result=on_result,
         )
         creation = self._creation_future
         if creation is not None and not creation.done():
