@@ -82,6 +82,7 @@ __all__ = [
 _log = logging.getLogger("actorrpc.agent")
 _MAX_POLL = 0.05
 _CALL_FIELDS = ("func", "args", "kwargs", "meta")
+_CREDITED_KINDS = frozenset({MessageKind.CALL, MessageKind.REMOTE_CALL})
 _PAYLOAD_FIELDS: dict[MessageKind, Any] = {
     MessageKind.CALL: _CALL_FIELDS,
     MessageKind.REMOTE_CALL: _CALL_FIELDS,
@@ -144,6 +145,7 @@ class Agent:
         self._by_name: dict[str, WorkerInfo] = {}
         self._infos: dict[int, WorkerInfo] = {}
         self.liveness = LivenessMonitor(self)
+        self._credits: dict[int, threading.BoundedSemaphore] = {}
         self._running = False
         self._io_thread: threading.Thread | None = None
         self._last_warning = 0.0
@@ -280,20 +282,52 @@ class Agent:
         with pickling_for(dest.id):
             body, buffers = dumps(payload, _PAYLOAD_FIELDS.get(kind, "arguments"))
         future: Future[Any] = Future(lambda: f"{description or kind.name} on {dest.name}", self)
-        self._pending[message_id] = PendingCall(future, dest, description, timeout, on_result)
+        credit = self._take_credit(dest, kind, timeout)
+        self._pending[message_id] = PendingCall(
+            future, dest, description, timeout, on_result, credit=credit
+        )
         if timeout > 0:
             with self._deadline_lock:
                 heapq.heappush(self._deadlines, (time.monotonic() + timeout, message_id))
         try:
             self._send(dest.id, kind, message_id, body, buffers)
         except BaseException:
-            self._pending.pop(message_id, None)
+            self._take_pending(message_id)
             raise
         self.stats.calls_sent[dest.id] += 1
         if self.tracer.enabled:
             nbytes = len(body) + sum(b.nbytes for b in buffers)
             self.tracer.call_sent(message_id, dest.id, description or kind.name, nbytes)
         return future
+
+    def _take_credit(
+        self, dest: WorkerInfo, kind: MessageKind, timeout: float
+    ) -> threading.BoundedSemaphore | None:
+        """Flow control: at most ``max_calls_in_flight_per_peer`` user calls to one peer.
+
+        A caller beyond the limit waits (up to its timeout) for a reply to free a
+        slot, so a fast caller cannot queue unbounded work on a slow peer. The
+        I/O thread and control messages are never held back.
+        """
+        if kind not in _CREDITED_KINDS or threading.get_ident() == self.io_thread_ident:
+            return None
+        credit = self._credits.get(dest.id)
+        if credit is None:
+            limit = self.options.max_calls_in_flight_per_peer
+            credit = self._credits.setdefault(dest.id, threading.BoundedSemaphore(limit))
+        if not credit.acquire(timeout=timeout if timeout > 0 else None):
+            raise RpcTimeoutError(
+                f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) waiting to send: "
+                f"{self.options.max_calls_in_flight_per_peer} calls to {dest!r} are in flight"
+            )
+        return credit
+
+    def _take_pending(self, message_id: int) -> PendingCall | None:
+        """Remove a pending call (exactly once) and give back its flow-control credit."""
+        pending = self._pending.pop(message_id, None)
+        if pending is not None and pending.credit is not None:
+            pending.credit.release()
+        return pending
 
     def prepare_call(
         self, dest: WorkerInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -474,7 +508,7 @@ class Agent:
         while self._deadlines and self._deadlines[0][0] <= now:
             with self._deadline_lock:
                 _, message_id = heapq.heappop(self._deadlines)
-            pending = self._pending.pop(message_id, None)
+            pending = self._take_pending(message_id)
             if pending is not None:
                 complete(
                     pending.future,
@@ -549,7 +583,7 @@ class Agent:
             self._pool.submit(self._serve, header.kind, sender, header.message_id, frames, entry)
 
     def _fail_pending(self, message_id: int, error: BaseException) -> None:
-        pending = self._pending.pop(message_id, None)
+        pending = self._take_pending(message_id)
         if pending is not None:
             complete(pending.future, error=error)
 
@@ -562,7 +596,7 @@ class Agent:
         if pending.dest.id != sender:
             self._warn(f"dropped a reply from rank {sender} to a call made to {pending.dest!r}")
             return
-        del self._pending[message_id]
+        self._take_pending(message_id)
         if self.tracer.enabled:
             outcome = "error" if kind == MessageKind.EXCEPTION else "ok"
             self.tracer.call_done(message_id, sum(len(f) for f in frames), outcome)

@@ -78,6 +78,7 @@ class PendingCall:
     description: str
     timeout: float
     on_result: Callable[[Any], Any] | None = None
+    credit: Any = None  # the flow-control slot to give back when the call ends
     created: float = field(default_factory=time.monotonic)
 
 

@@ -44,6 +44,8 @@ class ZmqRpcBackendOptions:
         shutdown_timeout: seconds a graceful ``shutdown`` may take.
         liveness_interval: a peer we wait on that has been silent this many
             seconds gets an application-level PING.
+        max_calls_in_flight_per_peer: flow control; a caller beyond this many
+            unanswered calls to one peer waits for a reply (up to its timeout).
         dead_peer_timeout: a PING unanswered this long marks the peer dead:
             every call waiting on it fails with :class:`PeerUnreachableError`.
         bind_host: interface the inbox binds to; ``None`` picks loopback when
@@ -72,6 +74,7 @@ class ZmqRpcBackendOptions:
     shutdown_timeout: float = 60.0
     liveness_interval: float = 1.0
     dead_peer_timeout: float = 5.0
+    max_calls_in_flight_per_peer: int = 16384
     bind_host: str | None = None
     advertise_host: str | None = None
     secret: str | None = None
