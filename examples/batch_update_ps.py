@@ -22,7 +22,6 @@ step's loss matches within 1e-5.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
@@ -32,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import actorrpc as rpc
+
+from _common import check_losses, example_arguments, report_losses
 
 FEATURES, HIDDEN, CLASSES = 20, 32, 3
 
@@ -138,10 +139,7 @@ def train_locally(trainer: int, steps: int, lr: float) -> list[float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--check", action="store_true", help="compare with a one-process run")
+    parser = example_arguments(__doc__ or "", steps=30, lr=0.1)
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world < 2:
@@ -159,18 +157,11 @@ def main() -> int:
         all_losses = torch.futures.wait_all(futures)
         assert server.update_count() == args.steps, server.update_count()
         for trainer, losses in zip(trainers, all_losses):
-            for step in range(0, len(losses), max(1, len(losses) // 10)):
-                print(f"{trainer} step {step:3d} loss {losses[step]:.4f}", flush=True)
-            print(f"{trainer} final loss {losses[-1]:.4f} (first {losses[0]:.4f})", flush=True)
+            report_losses(trainer, losses)
         print(f"{name} applied {server.update_count()} batch updates", flush=True)
         if args.check:
-            losses = all_losses[0]
             expected = train_locally(1, args.steps, args.lr)
-            worst = max(abs(a - b) for a, b in zip(losses, expected))
-            ok = len(trainers) == 1 and len(losses) == len(expected) and worst <= 1e-5
-            print(f"{name} check: max |loss - single-process loss| = {worst:.2e} "
-                  f"-> {'OK' if ok else 'MISMATCH'}", flush=True)
-            status = 0 if ok else 1
+            status = check_losses(name, all_losses[0], expected, applicable=len(trainers) == 1)
     rpc.shutdown()
     return status
 

@@ -14,7 +14,6 @@ data in one process and checks that every step's loss matches within 1e-5.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
@@ -27,6 +26,8 @@ import actorrpc as rpc
 import actorrpc.autograd as dist_autograd
 from actorrpc.nn import RemoteModule
 from actorrpc.optim import DistributedOptimizer
+
+from _common import check_losses, example_arguments, report_losses
 
 FEATURES, HIDDEN, CLASSES = 20, 32, 3
 _model_lock = threading.Lock()
@@ -113,27 +114,17 @@ def train_locally(trainer: int, steps: int, lr: float) -> list[float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--lr", type=float, default=0.3)
-    parser.add_argument("--check", action="store_true", help="compare with a one-process run")
-    args = parser.parse_args()
+    args = example_arguments(__doc__ or "", steps=30, lr=0.3).parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     name = "ps" if rank == 0 else f"trainer{rank}"
     rpc.init_rpc(name, rank=rank, world_size=world)
     status = 0
     if rank != 0:
         losses = train(rank, args.steps, args.lr)
-        for step in range(0, len(losses), max(1, len(losses) // 10)):
-            print(f"{name} step {step:3d} loss {losses[step]:.4f}", flush=True)
-        print(f"{name} final loss {losses[-1]:.4f} (first {losses[0]:.4f})", flush=True)
+        report_losses(name, losses)
         if args.check:
             expected = train_locally(rank, args.steps, args.lr)
-            worst = max(abs(a - b) for a, b in zip(losses, expected))
-            ok = world == 2 and worst <= 1e-5
-            print(f"{name} check: max |loss - single-process loss| = {worst:.2e} "
-                  f"-> {'OK' if ok else 'MISMATCH'}", flush=True)
-            status = 0 if ok else 1
+            status = check_losses(name, losses, expected, applicable=world == 2)
     rpc.shutdown()
     return status
 

@@ -20,7 +20,6 @@ one process and checks that every step's loss matches within 1e-5.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
@@ -32,6 +31,8 @@ from torch import nn
 import actorrpc as rpc
 import actorrpc.autograd as dist_autograd
 from actorrpc.optim import DistributedOptimizer
+
+from _common import check_losses, example_arguments, report_losses
 
 FEATURES, HIDDEN, CLASSES = 16, 64, 4
 SPLIT = 4  # layers [0, SPLIT) form shard 1, the rest shard 2
@@ -127,12 +128,9 @@ def train_locally(steps: int, batch: int, lr: float) -> list[float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser = example_arguments(__doc__ or "", steps=40, lr=0.1)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--check", action="store_true", help="compare with a one-process run")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != 3:
@@ -142,16 +140,10 @@ def main() -> int:
     status = 0
     if rank == 0:
         losses = train(args.steps, args.batch, args.micro_batch, args.lr)
-        for step in range(0, len(losses), max(1, len(losses) // 10)):
-            print(f"{name} step {step:3d} loss {losses[step]:.4f}", flush=True)
-        print(f"{name} final loss {losses[-1]:.4f} (first {losses[0]:.4f})", flush=True)
+        report_losses(name, losses)
         if args.check:
             expected = train_locally(args.steps, args.batch, args.lr)
-            worst = max(abs(a - b) for a, b in zip(losses, expected))
-            ok = len(losses) == len(expected) and worst <= 1e-5
-            print(f"{name} check: max |loss - unsplit single-process loss| = {worst:.2e} "
-                  f"-> {'OK' if ok else 'MISMATCH'}", flush=True)
-            status = 0 if ok else 1
+            status = check_losses(name, losses, expected, reference="unsplit single-process loss")
     rpc.shutdown()
     return status
 

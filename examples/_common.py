@@ -1,0 +1,33 @@
+"""What the training examples share: their options, loss reports and the one-process check."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def example_arguments(doc: str, steps: int, lr: float) -> argparse.ArgumentParser:
+    """``--steps``, ``--lr`` and ``--check`` (compare every step's loss with one process)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--check", action="store_true", help="compare with a one-process run")
+    return parser
+
+
+def report_losses(name: str, losses: list[float]) -> None:
+    """Print about ten steps' losses and the final one, so the fall is visible."""
+    for step in range(0, len(losses), max(1, len(losses) // 10)):
+        print(f"{name} step {step:3d} loss {losses[step]:.4f}", flush=True)
+    print(f"{name} final loss {losses[-1]:.4f} (first {losses[0]:.4f})", flush=True)
+
+
+def check_losses(
+    name: str, losses: list[float], expected: list[float], applicable: bool = True,
+    reference: str = "single-process loss",
+) -> int:
+    """Print whether every step's loss equals the reference run within 1e-5; 0 if it does."""
+    worst = max(abs(a - b) for a, b in zip(losses, expected))
+    ok = applicable and len(losses) == len(expected) and worst <= 1e-5
+    print(f"{name} check: max |loss - {reference}| = {worst:.2e} "
+          f"-> {'OK' if ok else 'MISMATCH'}", flush=True)
+    return 0 if ok else 1
