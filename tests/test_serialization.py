@@ -397,3 +397,19 @@ def test_grad_and_parameter_through_the_group(cluster):
 def test_zero_size_through_the_group(cluster):
     back = rpc.rpc_sync("worker1", echo, args=((torch.empty(0), torch.empty(2, 0, 3)),))
     assert back[0].shape == (0,) and back[1].shape == (2, 0, 3)
+
+
+def test_code_by_value_takes_project_modules_by_reference() -> None:
+    """dill would ship a module it does not see as installed (this checkout) by value."""
+    import actorrpc
+
+    def make():
+        def uses_the_package():
+            return actorrpc.is_available()
+
+        return uses_the_package
+
+    payload, buffers = dumps(make())
+    rebuilt = loads(payload, buffers)
+    assert rebuilt() is True
+    assert rebuilt.__closure__[0].cell_contents is actorrpc  # the module itself, by name

@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import pickle
 import sys
@@ -253,6 +254,35 @@ def _load_main_or_value(qualname: str, digest: bytes, blob: bytes | None, error:
     return _load_by_value(blob)
 
 
+class _ModulesByReference(dill.Pickler):  # type: ignore[misc]
+    """dill, except that every importable module travels by name.
+
+    dill ships modules it does not consider installed (a project run from its
+    checkout, an editable install) by value, which fails for most of them.
+    """
+
+    dispatch = dill.Pickler.dispatch.copy()
+
+
+_dill_save_module = dill.Pickler.dispatch[types.ModuleType]
+
+
+def _save_module(pickler: Any, module: types.ModuleType) -> None:
+    if module.__name__ != "__main__" and sys.modules.get(module.__name__) is module:
+        pickler.save_reduce(importlib.import_module, (module.__name__,), obj=module)
+    else:
+        _dill_save_module(pickler, module)
+
+
+_ModulesByReference.dispatch[types.ModuleType] = _save_module
+
+
+def _dill_dumps(obj: Any) -> bytes:
+    stream = io.BytesIO()
+    _ModulesByReference(stream, protocol=5, recurse=True).dump(obj)
+    return stream.getvalue()
+
+
 def _reduce_by_value(obj: Any) -> Any:
     code = getattr(obj, "__code__", None)
     try:
@@ -266,7 +296,7 @@ def _reduce_by_value(obj: Any) -> Any:
     else:
         digest = _code_digest(obj)
         try:
-            blob = dill.dumps(obj, protocol=5, recurse=True)
+            blob = _dill_dumps(obj)
         except Exception as exc:
             if not from_main:
                 raise
