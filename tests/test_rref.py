@@ -346,10 +346,10 @@ def tables(worker: str) -> dict[str, int]:
     return {k: info[k] for k in ZERO}
 
 
-def wait_tables_empty(workers: tuple[str, ...] = WORKERS) -> None:
+def wait_tables_empty(workers: tuple[str, ...] = WORKERS, limit: float = WAIT) -> None:
     """Wait until no worker owns, forks or waits on any RRef (polling all, so each collects)."""
     wait_for(lambda: all([tables(w) == ZERO for w in workers]) or None,
-             f"empty RRef tables on {', '.join(workers)}")
+             f"empty RRef tables on {', '.join(workers)}", limit)
 
 
 def _describe_tables() -> str:
@@ -599,6 +599,27 @@ def test_failed_remote_stores_original_error(owner: str) -> None:
     wait_tables_empty()
 
 
+def wait_event_then_raise(key: str) -> None:
+    _event(key).wait(WAIT)
+    raise ValueError(f"late failure {key}")
+
+
+@pytest.mark.timeout(60)
+def test_fetch_waiting_for_a_failing_creation_gets_its_error() -> None:
+    key = "late-failure"
+    late = rpc.remote("worker1", wait_event_then_raise, args=(key,))
+    fetch = rpc.rpc_async("worker2", to_here_of, args=(late,))  # worker2 has no creation future
+    # the REMOTE_CALL, worker2's fetch and this query are in flight on worker1
+    wait_for(lambda: rpc.rpc_sync("worker1", _requests_in_flight) == 3, "the pending fetch")
+    rpc.rpc_sync("worker1", set_event, args=(key,))
+    error = error_of(fetch)
+    assert isinstance(error, ValueError) and "late failure" in str(error), error
+    error = error_of(rpc.rpc_async("worker0", to_here_of, args=(late,)))
+    assert isinstance(error, ValueError)
+    del late, fetch, error
+    wait_tables_empty()
+
+
 @pytest.mark.timeout(60)
 def test_remote_timeout_marks_the_rref() -> None:
     key = "remote-timeout"
@@ -755,6 +776,58 @@ def test_fifo_survives_calls_that_never_run() -> None:
             ctx.accept_child(fork_id)
     del journal, futures, parent
     wait_tables_empty()
+
+
+class Failing:
+    """An actor whose ``fail`` method raises; its lifetime is watched through ``_weak``."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        _weak[key] = weakref.ref(self)
+
+    def fail(self) -> None:
+        raise KeyError(self.key)
+
+    def wait_then(self, key: str) -> str:
+        _event(key).wait(WAIT)
+        return key
+
+
+@pytest.mark.timeout(60)
+def test_actor_freed_after_its_methods_raised() -> None:
+    key = "failing-actor"
+    rref = rpc.remote("worker1", Failing, args=(key,))
+    assert isinstance(error_of(rref.rpc_async().fail()), KeyError)
+    with pytest.raises(KeyError, match=key):
+        rref.rpc_sync().fail()
+    with pytest.raises(KeyError, match="in fail"):  # with the owner's traceback
+        rref.remote().fail().to_here()
+    early = rref.remote().fail()  # fetched before the creation fails: the error comes back
+    fetch = rpc.rpc_async("worker2", to_here_of, args=(early,))  # from the owner's table
+    assert isinstance(error_of(fetch), KeyError)
+    del rref, early, fetch
+    wait_tables_empty()
+    wait_for(lambda: not remote_alive("worker1", key), "the actor to be freed")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(
+    reason="agent/_calls.py outcome_of(): re-raising a failed future's stored exception puts "
+    "outcome_of's frame (holding the future) in its traceback: a cycle through the C++ future "
+    "gc cannot free, which also keeps every caller frame (f_back) and the request payload, "
+    "here the actor's RRef", strict=True,
+)
+def test_actor_freed_after_a_queued_method_raised() -> None:
+    key = "queued-failing-actor"
+    rref = rpc.remote("worker1", Failing, args=(key,))
+    first = rref.rpc_async(timeout=WAIT).wait_then(key)
+    second = rref.rpc_async(timeout=WAIT).fail()  # queued behind ``first``: fails via a future
+    rpc.rpc_sync("worker1", set_event, args=(key,))
+    assert first.wait() == key
+    assert isinstance(error_of(second), KeyError)
+    del rref, first, second
+    wait_tables_empty()
+    wait_for(lambda: not remote_alive("worker1", key), "the actor to be freed", 3)
 
 
 # -- async_execution ------------------------------------------------------------------------------
@@ -958,19 +1031,20 @@ def test_unsendable_call_leaves_no_fork() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    reason="agent Future.wait() (agent/_futures.py) re-raises the exception object stored in the "
-    "C++ future; the frames it then passes through (here rpc_sync's, holding args) hold the "
-    "future: a cycle gc cannot see, so the RRef argument never dies", strict=True,
-)
 def test_failed_wait_does_not_leak_frames() -> None:
+    """A failed rpc_sync() with an RRef argument does not keep the RRef alive.
+
+    (Future.wait() once re-raised the exception stored in the C++ future, which then
+    held the waiting frames: a cycle gc cannot see.)
+    """
     rref = rpc.remote("worker1", make_tracked, args=("wait-leak",))
     fork_id = rref._fork_id
     with pytest.raises(ValueError):
         rpc.rpc_sync("worker2", fail_with, args=(rref,))
     del rref
     try:
-        wait_for(lambda: not remote_alive("worker1", "wait-leak"), "the value to be freed", 3)
+        wait_tables_empty(limit=5)  # (collecting on every worker: worker2's failed call)
+        assert not remote_alive("worker1", "wait-leak")
     finally:
         _release_leaked_user_handle(fork_id)
 
@@ -1094,4 +1168,8 @@ def test_lenient_shutdown_logs_leak_and_clean_shutdown_deletes_users() -> None:
 
 if __name__ == "__main__":
     _scenario_main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "strict")
+
+
+
+
 

@@ -55,6 +55,7 @@ import itertools
 import logging
 import threading
 import time
+import traceback
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -67,10 +68,12 @@ from ..errors import ActorRpcError, RpcTimeoutError, RRefError
 __all__ = [
     "CHILD_ACCEPT",
     "USER_DELETE",
+    "FetchFailure",
     "GloballyUniqueId",
     "OwnerState",
     "RRefContext",
     "copy_exception",
+    "detached_exception",
     "settle",
     "wait_result",
 ]
@@ -130,6 +133,35 @@ def copy_exception(error: BaseException, keep_traceback: bool = False) -> BaseEx
     return fresh.with_traceback(error.__traceback__ if keep_traceback else None)
 
 
+def detached_exception(error: BaseException) -> BaseException:
+    """A copy of ``error`` to store in a future: no traceback (so no frames, and
+    nothing they reference, are kept alive by it), the original traceback kept
+    as text in a note, which the remote error message shows."""
+    fresh = copy_exception(error)
+    trace = error.__traceback__
+    if fresh is not error and trace is not None and hasattr(fresh, "add_note"):
+        text = "".join(traceback.format_tb(trace)).rstrip()
+        fresh.add_note(f"Traceback on the owner (most recent call last):\n{text}")
+    return fresh
+
+
+class FetchFailure:
+    """The error of a ``to_here()`` sent back as a successful reply value.
+
+    ``info`` is ``pack_exception``'s description (``agent/_remote_exception.py``);
+    the caller raises ``rebuild_exception(info)``: the original type, with the
+    owner's traceback in the message, exactly like a failed RPC.
+    """
+
+    __slots__ = ("info",)
+
+    def __init__(self, info: Any) -> None:
+        self.info = info
+
+    def __reduce__(self) -> Any:
+        return FetchFailure, (self.info,)
+
+
 def settle(future: torch.futures.Future[Any]) -> tuple[Any, BaseException | None]:
     """Wait for ``future``: ``(value, None)`` or ``(None, a copy of its error)``.
 
@@ -187,12 +219,15 @@ class OwnerState:
         self.ready.set_result(None)
 
     def set_error(self, error: BaseException) -> None:
-        """Complete with ``error`` (the first completion wins); its traceback must not
-        reference this state (a cycle through the traceback's frames)."""
+        """Complete with ``error`` (the first completion wins).
+
+        A detached copy is kept (:func:`detached_exception`): the traceback's
+        frames would otherwise live as long as this state.
+        """
         with self._set_lock:
             if self._event.is_set():
                 return
-            self._error = error
+            self._error = detached_exception(error)
             self._event.set()
         self.ready.set_result(None)
 
@@ -204,7 +239,7 @@ class OwnerState:
                 f"the value of RRef {self.rref_id!r} to be created"
             )
         if self._error is not None:
-            raise copy_exception(self._error, keep_traceback=True)
+            raise copy_exception(self._error)
         return self._value
 
     def error(self) -> BaseException | None:

@@ -32,7 +32,14 @@ from typing import Any
 import torch
 
 from ..agent import current_agent
-from ._context import GloballyUniqueId, OwnerState, RRefContext, settle, wait_result
+from ._context import (
+    GloballyUniqueId,
+    OwnerState,
+    RRefContext,
+    detached_exception,
+    settle,
+    wait_result,
+)
 from ._rref import RRef, rref_context
 
 __all__ = ["RRefProxy", "fetch_type", "invoke_method", "rref_backward"]
@@ -132,35 +139,47 @@ def invoke_method(rref: RRef[Any], name: str, args: Any, kwargs: Any, ticket: An
     """Run ``getattr(rref.local_value(), name)(*args, **kwargs)`` on the owner, in caller order.
 
     Returns a Future (this function is an ``async_execution`` one), completed
-    with the method's result or error.
+    with the method's result or error; a call that runs at once and fails
+    raises instead (a failed future kept by the agent would keep the frames).
     """
     result: torch.futures.Future[Any] = torch.futures.Future()
+    caller = threading.get_ident()
+    inline = [True]  # True while this call may raise its error itself (see run)
+    raised: list[BaseException] = []
 
     def run() -> None:
         try:
             outcome = _call(getattr(rref.local_value(), name), args, kwargs)
-        except BaseException as exc:  # noqa: BLE001 - delivered through the future
-            # without this frame: it holds ``result``, which will hold the exception
-            trace = exc.__traceback__
-            result.set_exception(exc.with_traceback(trace.tb_next if trace else None))
+        except BaseException as exc:  # noqa: BLE001 - raised below or delivered by the future
+            if inline[0] and threading.get_ident() == caller:
+                raised.append(exc)  # ran inside invoke_method, which re-raises it
+            else:  # detached: a traceback would keep the method's frames (and the actor)
+                result.set_exception(detached_exception(exc))
             return
         if isinstance(outcome, torch._C.Future):
             outcome.add_done_callback(lambda f: _forward(f, result))
         else:
             result.set_result(outcome)
 
-    if not isinstance(ticket, _Ticket) or rref._state is None:
-        run()
-        return result
-    ticket.claimed = True
-    queue = _queue(rref._state, ticket.caller)
     state = rref._state
-    if state.is_ready() and getattr(_value_or_none(state), "__actorrpc_concurrent__", False):
-        _submit(queue, ticket.seq, None)
+    if not isinstance(ticket, _Ticket) or state is None:
         run()
+    else:
+        ticket.claimed = True
+        queue = _queue(state, ticket.caller)
+        if state.is_ready() and getattr(_value_or_none(state), "__actorrpc_concurrent__", False):
+            _submit(queue, ticket.seq, None)
+            run()
+        else:
+            _submit(queue, ticket.seq, run)  # runs now, or later on the thread of its predecessor
+    inline[0] = False
+    if not raised:
         return result
-    _submit(queue, ticket.seq, run)
-    return result
+    error = raised.pop()
+    try:
+        raise error
+    finally:
+        del error
 
 
 def _invoke_in_order(ticket: Any, name: str, args: Any, kwargs: Any, rref: RRef[Any]) -> Any:

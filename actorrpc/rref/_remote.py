@@ -13,12 +13,14 @@ from typing import Any
 import torch
 
 from ..agent import Agent, IncomingRequest, current_agent, register_agent_plugin, run_user_function
+from ..agent._remote_exception import pack_exception
 from ..errors import ProtocolError, RpcTimeoutError, ShutdownError
 from ..protocol import MessageKind
 from ..serialization import register_reducer
 from ._context import (
     CHILD_ACCEPT,
     USER_DELETE,
+    FetchFailure,
     GloballyUniqueId,
     OwnerState,
     RRefContext,
@@ -246,21 +248,21 @@ class _Fetch:
             return parts
 
     def deliver(self, _: Any = None) -> None:
-        # No exception is raised through this frame: the reply future would hold it, and
-        # a traceback through a frame holding that future is a cycle gc cannot free (see
-        # copy_exception). The caller gets the error's own type.
+        # An error goes back as a FetchFailure *value*: the agent re-raises the error of a
+        # failed reply future through a frame holding that future (agent/_calls.py
+        # outcome_of), a cycle gc cannot free that keeps this thread's whole stack.
         parts = self._take()
         if parts is None:
             return
         agent, request, state, reply = parts
         error = state.error()
         if error is not None:
-            reply.set_exception(copy_exception(error, keep_traceback=True))
+            reply.set_result(FetchFailure(pack_exception(error, repr(agent.info))))
             return
         try:
             value = agent.serve(request.sender, self.meta, (), {}, lambda call: state.wait(0))
         except BaseException as exc:  # noqa: BLE001 - a hook failed: the caller gets it
-            reply.set_exception(copy_exception(exc))
+            reply.set_result(FetchFailure(pack_exception(exc, repr(agent.info))))
             return
         reply.set_result(value)
 
@@ -269,10 +271,11 @@ class _Fetch:
         if parts is None:
             return
         agent, _, state, reply = parts
-        reply.set_exception(RpcTimeoutError(
+        timeout = RpcTimeoutError(
             f"RPC ran for more than set timeout ({int(limit * 1000)} ms) waiting on "
             f"{agent.name!r} for RRef {state.rref_id!r} to be created"
-        ))
+        )
+        reply.set_result(FetchFailure(pack_exception(timeout, repr(agent.info))))
         if not state.is_ready():  # a pending owner nobody created: forget it
             rref_context(agent).release_if_unforked(state.rref_id)
 
@@ -287,6 +290,9 @@ def _handle_fetch(agent: Agent, request: IncomingRequest) -> Any:
     limit = agent.effective_timeout(timeout)
     ctx = rref_context(agent)
     state = ctx.local_states.get(rref_id) or ctx.get_or_create_owner(rref_id)
+    error = state.error()
+    if error is not None:  # raised, not put in a future (see invoke_method)
+        raise copy_exception(error)
     reply: torch.futures.Future[Any] = torch.futures.Future()
     fetch = _Fetch(agent, request, meta, state, reply)
     if not state.is_ready() and limit > 0:

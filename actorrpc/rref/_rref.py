@@ -27,10 +27,19 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from ..agent import Agent, Future, WorkerInfo, current_agent
+from ..agent._remote_exception import rebuild_exception
 from ..errors import RpcTimeoutError, RRefError, SerializationError
 from ..protocol import MessageKind
 from ..serialization import current_pickle_target, current_unpickle_source
-from ._context import GloballyUniqueId, OwnerState, RRefContext, copy_exception, settle, wait_result
+from ._context import (
+    FetchFailure,
+    GloballyUniqueId,
+    OwnerState,
+    RRefContext,
+    copy_exception,
+    settle,
+    wait_result,
+)
 
 __all__ = ["RRef", "rref_context"]
 
@@ -166,8 +175,12 @@ class RRef(Generic[T]):
         )
         creation = self._creation_future
         if creation is not None and not creation.done():
-            return wait_result(_unless_creation_fails(future, creation, self))
-        return wait_result(future)
+            value = wait_result(_unless_creation_fails(future, creation, self))
+        else:
+            value = wait_result(future)
+        if isinstance(value, FetchFailure):  # the owner's error, sent as a value
+            raise rebuild_exception(value.info)
+        return value  # type: ignore[no-any-return]
 
     def _get_future(self) -> Future[Any]:
         """The future of the ``remote()`` call that created this RRef."""
