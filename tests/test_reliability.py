@@ -463,7 +463,7 @@ def driver_timeouts(ctx):
     # up after its timeout; the owner should not keep the request in flight for ever.
     agent = current_agent()
     fetch = agent.send_request(agent.resolve("worker1"), MessageKind.RREF_FETCH,
-                               (("never-created", 1), {}), 2.0, description="orphan fetch")
+                               (("never-created", 1), {}, 2.0), 2.0, description="orphan fetch")
     res["orphan fetch"] = outcome(fetch.wait)
     res["orphan fetch released on the owner"] = outcome(lambda: wait_for(
         lambda: rpc.rpc_sync("worker1", in_flight) == 1, 10, "owner has only our query in flight"))
@@ -826,10 +826,6 @@ def test_blocking_call_honours_its_timeout(timeouts, case, limit, error, fragmen
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: rref/_remote.py _handle_fetch waits without limit for an RRef the owner never "
-    "heard of; the request stays in flight after the caller gave up, so the owner's "
-    "graceful shutdown waits its whole budget (for ever with timeout=0)"))
 def test_orphan_fetch_does_not_stay_in_flight_on_the_owner(timeouts):
     result = timeouts.result(0)
     assert_error(result["orphan fetch"], "RpcTimeoutError", context="orphan fetch")

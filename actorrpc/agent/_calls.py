@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -90,10 +91,27 @@ class Failure:
 
 
 def outcome_of(future: torch.futures.Future) -> Any:
+    """The value of a completed future, or a :class:`Failure` holding a copy of its error.
+
+    The copy matters: re-raising the stored error would attach this frame (which
+    holds the future) to it, a cycle through the C++ future that gc cannot break.
+    """
     try:
         return future.wait()
     except BaseException as exc:  # noqa: BLE001
-        return Failure(exc)
+        error = copy_error(exc)
+        del future, exc
+        return Failure(error)
+
+
+def copy_error(error: BaseException) -> BaseException:
+    """A copy of ``error`` without a traceback (the original if it cannot be copied)."""
+    try:
+        fresh = copy.copy(error)
+    except Exception:  # noqa: BLE001
+        return error.with_traceback(None)
+    fresh.__cause__ = error.__cause__
+    return fresh.with_traceback(None)
 
 
 def run_user_function(func: Any, args: Any, kwargs: Any) -> Any:

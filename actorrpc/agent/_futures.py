@@ -9,7 +9,6 @@ fails instead of blocking forever when the agent that should complete it dies.
 from __future__ import annotations
 
 import _thread
-import copy
 import threading
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
@@ -91,12 +90,9 @@ def _fresh(error: BaseException) -> BaseException:
     (A traceback holds the frames it passes through, and they may hold the
     future itself: a cycle through the C++ future that gc cannot break.)
     """
-    try:
-        fresh = copy.copy(error)
-    except Exception:  # noqa: BLE001 - an uncopyable error is raised as it is
-        return error
-    fresh.__cause__ = error.__cause__
-    return fresh.with_traceback(None)
+    from ._calls import copy_error
+
+    return copy_error(error)
 
 
 def complete(future: Future[Any], value: Any = None, error: BaseException | None = None) -> None:
