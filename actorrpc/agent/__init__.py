@@ -19,6 +19,7 @@ from ._options import (
     ZmqRpcBackendOptions,
     coerce_options,
 )
+from ._shutdown import wait_until
 from ._worker_info import MAX_NAME_LENGTH, WorkerInfo, validate_worker_name
 
 __all__ = [
@@ -42,4 +43,5 @@ __all__ = [
     "run_user_function",
     "set_current_agent",
     "validate_worker_name",
+    "wait_until",
 ]

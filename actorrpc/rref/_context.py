@@ -54,7 +54,6 @@ import copy
 import itertools
 import logging
 import threading
-import time
 import traceback
 import weakref
 from collections import OrderedDict
@@ -63,6 +62,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from ..agent import wait_until
 from ..errors import ActorRpcError, RpcTimeoutError, RRefError
 
 __all__ = [
@@ -504,13 +504,7 @@ class RRefContext:
 
     def wait_until(self, condition: Callable[[], bool], deadline: float) -> bool:
         """Poll ``condition`` with back-off until true (``True``) or ``deadline`` (``False``)."""
-        interval = 0.001
-        while not condition():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(interval)
-            interval = min(interval * 2, 0.02)
-        return True
+        return wait_until(condition, deadline)
 
     def debug_info(self) -> dict[str, int]:
         with self._lock:
