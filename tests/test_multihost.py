@@ -52,11 +52,25 @@ _SCRIPT = textwrap.dedent(
         dist_autograd.backward(ctx, [y.sum()])
         result["grad"] = dist_autograd.get_gradients(ctx)[x].tolist()
     del rref
+    pending_context = dist_autograd.context()
+    context_id = pending_context.__enter__()
+    z = rpc.rpc_sync("host1", torch.mul, args=(x, 2.0))
     print("READY_TO_CUT", flush=True)
     cut = sys.argv[1]
     deadline = time.monotonic() + 60
     while not os.path.exists(cut) and time.monotonic() < deadline:
         time.sleep(0.05)
+    started = time.monotonic()
+    try:
+        dist_autograd.backward(context_id, [z.sum()])
+        result["backward_after_cut"] = "finished"
+    except Exception as exc:
+        result["backward_after_cut"] = f"{type(exc).__name__}: {exc}"
+    result["backward_failed_in"] = time.monotonic() - started
+    try:
+        pending_context.__exit__(None, None, None)
+    except Exception:
+        pass
     started = time.monotonic()
     try:
         rpc.rpc_sync("host1", torch.add, args=(torch.ones(1), 1))
@@ -140,6 +154,9 @@ def test_rpc_rrefs_and_backward_across_hosts_then_a_cut_link(hosts: list[str], t
     assert result["rpc"] == [3.0, 3.0, 3.0]
     assert result["rref_shared_back"] == 4.0
     assert result["grad"] == [3.0, 3.0]
+    assert "host1" in result["backward_after_cut"], result
+    assert "unreachable" in result["backward_after_cut"], result
+    assert result["backward_failed_in"] < 15, result
     assert result["after_cut"].startswith("PeerUnreachableError") and "host1" in result["after_cut"]
     assert result["detected_in"] < 15, result
     assert result["shutdown"].startswith("ShutdownError") and "host1" in result["shutdown"]
