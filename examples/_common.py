@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
 
 
 def example_arguments(doc: str, steps: int, lr: float) -> argparse.ArgumentParser:
@@ -31,3 +35,19 @@ def check_losses(
     print(f"{name} check: max |loss - {reference}| = {worst:.2e} "
           f"-> {'OK' if ok else 'MISMATCH'}", flush=True)
     return 0 if ok else 1
+
+
+def train_in_one_process(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+) -> list[float]:
+    """The reference run for ``--check``: plain local training with cross-entropy."""
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses

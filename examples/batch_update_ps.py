@@ -32,7 +32,7 @@ from torch import nn
 
 import actorrpc as rpc
 
-from _common import check_losses, example_arguments, report_losses
+from _common import check_losses, example_arguments, report_losses, train_in_one_process
 
 FEATURES, HIDDEN, CLASSES = 20, 32, 3
 
@@ -128,14 +128,7 @@ def run_trainer(ps_rref: rpc.RRef[BatchUpdateParameterServer], steps: int) -> li
 def train_locally(trainer: int, steps: int, lr: float) -> list[float]:
     model = make_model()
     optimizer = make_optimizer(model, lr)
-    losses = []
-    for x, y in make_batches(trainer, steps):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return train_in_one_process(model, optimizer, make_batches(trainer, steps))
 
 
 def main() -> int:

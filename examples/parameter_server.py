@@ -27,7 +27,7 @@ import actorrpc.autograd as dist_autograd
 from actorrpc.nn import RemoteModule
 from actorrpc.optim import DistributedOptimizer
 
-from _common import check_losses, example_arguments, report_losses
+from _common import check_losses, example_arguments, report_losses, train_in_one_process
 
 FEATURES, HIDDEN, CLASSES = 20, 32, 3
 _model_lock = threading.Lock()
@@ -103,14 +103,7 @@ def train(trainer: int, steps: int, lr: float) -> list[float]:
 def train_locally(trainer: int, steps: int, lr: float) -> list[float]:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for x, y in make_batches(trainer, steps):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return train_in_one_process(model, optimizer, make_batches(trainer, steps))
 
 
 def main() -> int:

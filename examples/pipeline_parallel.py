@@ -32,7 +32,7 @@ import actorrpc as rpc
 import actorrpc.autograd as dist_autograd
 from actorrpc.optim import DistributedOptimizer
 
-from _common import check_losses, example_arguments, report_losses
+from _common import check_losses, example_arguments, report_losses, train_in_one_process
 
 FEATURES, HIDDEN, CLASSES = 16, 64, 4
 SPLIT = 4  # layers [0, SPLIT) form shard 1, the rest shard 2
@@ -117,14 +117,7 @@ def train(steps: int, batch: int, micro_batch: int, lr: float) -> list[float]:
 def train_locally(steps: int, batch: int, lr: float) -> list[float]:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    losses = []
-    for x, y in make_batches(steps, batch):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return train_in_one_process(model, optimizer, make_batches(steps, batch))
 
 
 def main() -> int:
