@@ -57,8 +57,8 @@ _INTERRUPT_SCRIPT = textwrap.dedent(
     # a shipped function's globals travel as copies: share worker-side state through an actor
     gate = rpc.remote("worker1", threading.Event)
     future = rpc.rpc_async("worker1", wait_for_gate, args=(gate,))
-    print("waiting", flush=True)
     try:
+        print("waiting", flush=True)  # inside the try: the signal may land right after it
         future.wait()
     except KeyboardInterrupt:
         print("interrupted", flush=True)
