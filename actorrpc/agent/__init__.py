@@ -10,7 +10,7 @@ from ._agent import (
     run_user_function,
     set_current_agent,
 )
-from ._futures import Future, chain_into, complete
+from ._futures import Future, complete
 from ._options import (
     DEFAULT_INIT_METHOD,
     DEFAULT_NUM_WORKER_THREADS,
@@ -35,7 +35,6 @@ __all__ = [
     "IncomingRequest",
     "WorkerInfo",
     "ZmqRpcBackendOptions",
-    "chain_into",
     "coerce_options",
     "complete",
     "current_agent",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import _thread
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -109,17 +109,3 @@ def complete(future: Future[Any], value: Any = None, error: BaseException | None
     except RuntimeError:
         return  # a racing path completed it first and opened the gate
     future._gate.release()
-
-
-def chain_into(
-    source: torch.futures.Future, target: Future[Any], transform: Callable[[Any], Any]
-) -> None:
-    """Complete ``target`` with ``transform(source.wait())`` once ``source`` is done."""
-
-    def done(fut: torch.futures.Future) -> None:
-        try:
-            complete(target, transform(fut.wait()))
-        except BaseException as exc:  # noqa: BLE001 - every error reaches the caller
-            complete(target, error=exc)
-
-    source.add_done_callback(done)
