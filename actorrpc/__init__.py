@@ -39,6 +39,7 @@ from .errors import (
     SerializationError,
     ShutdownError,
     UnknownWorkerError,
+    WorkerLeftError,
 )
 from .rref import RRef
 from .rref import debug_info as get_rref_debug_info
@@ -82,6 +83,7 @@ __all__ = [
     "TensorPipeRpcBackendOptions",
     "UnknownWorkerError",
     "WorkerInfo",
+    "WorkerLeftError",
     "ZmqRpcBackendOptions",
     "autograd",
     "functions",

@@ -71,10 +71,15 @@ def init_rpc(
             (set by ``actorrpc launch --names``), else ``worker<rank>``.
         backend: ``None`` or a :class:`BackendType` (``TENSORPIPE`` and
             ``PROCESS_GROUP`` are accepted aliases of the ZeroMQ backend).
-        rank: this worker's unique rank; ``-1`` reads ``RANK`` (or ``SLURM_PROCID``).
+        rank: this worker's unique rank; ``-1`` reads ``RANK`` (or ``SLURM_PROCID``);
+            in a dynamic group ``-1`` without ``RANK`` takes the next free rank.
         world_size: the number of workers; ``None`` reads ``WORLD_SIZE`` (or
             ``SLURM_NTASKS``). Under SLURM the first host of
-            ``SLURM_JOB_NODELIST`` becomes ``MASTER_ADDR``.
+            ``SLURM_JOB_NODELIST`` becomes ``MASTER_ADDR``. When neither gives
+            a world size the group is *dynamic*: this worker joins the group
+            running at ``init_method`` (or starts it), ``shutdown`` leaves it
+            while the others go on, and :func:`get_worker_infos` shows who is
+            there now.
         rpc_backend_options: :class:`ZmqRpcBackendOptions` or torch's
             ``TensorPipeRpcBackendOptions`` (its init_method, rpc_timeout and
             num_worker_threads are honoured).
@@ -95,28 +100,50 @@ def init_rpc(
         >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
         tensor([2., 2.])
         >>> rpc.shutdown()
+
+    A dynamic group (no world size anywhere)::
+
+        >>> # a driver, e.g. a notebook
+        >>> rpc.init_rpc("driver")
+        >>> # later, in another process
+        >>> rpc.init_rpc("helper")
+        >>> # on the driver
+        >>> [w.name for w in rpc.get_worker_infos()]
+        ['driver', 'helper']
     """
     if name is not None:
         validate_worker_name(name)
     environment = launch_environment()
+    dynamic = world_size is None and environment.world_size is None
     if rank is None or rank < 0:
-        rank = _from_environment(environment.rank, "RANK", "rank")
+        rank = environment.rank if dynamic and environment.rank is not None else (
+            -1 if dynamic else _from_environment(environment.rank, "RANK", "rank")
+        )
     if name is None:
-        name = validate_worker_name(os.environ.get("ACTORRPC_WORKER_NAME") or f"worker{rank}")
+        name = os.environ.get("ACTORRPC_WORKER_NAME") or (f"worker{rank}" if rank >= 0 else None)
+        if name is None:
+            raise InvalidArgumentError(
+                "a worker joining a dynamic group without a rank needs a name"
+            )
+        validate_worker_name(name)
     if backend is not None and getattr(backend, "name", backend) not in _ACCEPTED_BACKENDS:
         raise TypeError(f"backend must be an actorrpc.BackendType, got {backend!r}")
     options = coerce_options(rpc_backend_options)
-    if world_size is None:
+    if world_size is None and not dynamic:
         world_size = _from_environment(environment.world_size, "WORLD_SIZE", "world_size")
     _export_master(environment)
-    if world_size < 1 or not 0 <= rank < world_size:
+    if world_size is not None and (world_size < 1 or not 0 <= rank < world_size):
         raise InvalidArgumentError(f"rank {rank} is not in range for world_size {world_size}")
     with _init_lock:
         if _current_or_none() is not None:
             raise AlreadyInitializedError("RPC is already initialized in this process")
         agent = Agent(name, rank, world_size, options)
         # current once the group is known, before serving starts: served functions use the API
-        agent.start(on_joined=lambda: set_current_agent(agent))
+        try:
+            agent.start(on_joined=lambda: set_current_agent(agent))
+        except BaseException:
+            set_current_agent(None)
+            raise
 
 
 def is_initialized() -> bool:

@@ -18,6 +18,7 @@ keep working::
     ├── ProtocolError(ValueError)      a malformed frame or message
     ├── RemoteError                    remote exception that cannot be rebuilt
     ├── PeerUnreachableError(ConnectionError)  a peer is gone or cannot be reached
+    │   └── WorkerLeftError            the worker left a dynamic group
     ├── ShutdownError                  graceful shutdown could not complete
     ├── RRefError                      misuse of an RRef (see the rref package)
     └── DistAutogradError              distributed autograd failures
@@ -42,6 +43,7 @@ __all__ = [
     "SerializationError",
     "ShutdownError",
     "UnknownWorkerError",
+    "WorkerLeftError",
 ]
 
 
@@ -113,6 +115,10 @@ class RemoteError(ActorRpcError):
 
 class PeerUnreachableError(ActorRpcError, ConnectionError):
     """A peer worker is gone, has left, or cannot be reached."""
+
+
+class WorkerLeftError(PeerUnreachableError):
+    """The worker left the (dynamic) group: new calls to it fail, waiting ones too."""
 
 
 class ShutdownError(ActorRpcError):

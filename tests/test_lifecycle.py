@@ -274,7 +274,8 @@ def test_env_configuration_errors(runs):
     result = _result(runs, "failures")
     _assert_error(result["env_without_master"], "RendezvousError", "MASTER_ADDR", "MASTER_PORT")
     _assert_error(result["no_rank"], "InvalidArgumentError", "RANK")
-    _assert_error(result["no_world_size"], "InvalidArgumentError", "WORLD_SIZE")
+    # no world size anywhere: a dynamic group, whose env:// master is not set
+    _assert_error(result["no_world_size"], "RendezvousError", "MASTER_ADDR", "dynamic group")
     _assert_error(result["rank_out_of_range"], "InvalidArgumentError", "range")
     assert "ValueError" in result["no_rank"]["mro"]
 

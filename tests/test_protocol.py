@@ -11,6 +11,7 @@ the tests can see exactly what was (and was not) unpickled there.
 
 from __future__ import annotations
 
+import json
 import pickle
 import struct
 import threading
@@ -77,7 +78,7 @@ def test_too_many_buffers_rejected():
         (_RAW.pack(b"AR", 2, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", 255, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", 1, 0, 0, 0, 0, 1), "kind"),
-        (_RAW.pack(b"AR", 1, 13, 0, 0, 0, 1), "kind"),
+        (_RAW.pack(b"AR", 1, 14, 0, 0, 0, 1), "kind"),
         (_RAW.pack(b"AR", 1, 255, 0, 0, 0, 1), "kind"),
         (b"", "0 bytes"),
         (b"AR", "2 bytes"),
@@ -91,7 +92,7 @@ def test_too_many_buffers_rejected():
         "version-2",
         "version-255",
         "kind-0",
-        "kind-13",
+        "kind-14",
         "kind-255",
         "empty",
         "magic-only",
@@ -319,6 +320,21 @@ def _dropped_messages(bad: str) -> list[list[bytes]]:
         [header(MessageKind.RESPONSE, nbuffers=4), payload],
         [header(MessageKind.EXCEPTION, nbuffers=0), payload, b"extra", b"frames"],
         [header(MessageKind.RESPONSE), b"\x80\x05 definitely not a pickle"],
+        # membership messages are JSON, never unpickled; a static group takes none
+        [header(MessageKind.MEMBERSHIP), payload],
+        [header(MessageKind.MEMBERSHIP), b"[1, 2]"],
+        [header(MessageKind.MEMBERSHIP), b'{"op": "bogus", "rank": 1}'],
+        [header(MessageKind.MEMBERSHIP), b'{"op": "join"}'],
+        [header(MessageKind.MEMBERSHIP), b'{"op": "left", "rank": 1}', payload],
+        [header(MessageKind.MEMBERSHIP, sender=77), b'{"op": "left", "rank": 77}'],
+        [header(MessageKind.MEMBERSHIP, sender=0), b'{"op": "leaving", "rank": 0}'],
+        [
+            header(MessageKind.MEMBERSHIP, sender=5),
+            json.dumps(
+                {"op": "join", "rank": 5, "name": "intruder", "endpoint": "tcp://127.0.0.1:1",
+                 "identity": "00"}
+            ).encode(),
+        ],
     ]
 
 

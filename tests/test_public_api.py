@@ -38,6 +38,7 @@ EXPECTED_ALL = [
     "TensorPipeRpcBackendOptions",
     "UnknownWorkerError",
     "WorkerInfo",
+    "WorkerLeftError",
     "ZmqRpcBackendOptions",
     "autograd",
     "functions",
@@ -91,6 +92,7 @@ ERROR_NAMES = [
     "SerializationError",
     "ShutdownError",
     "UnknownWorkerError",
+    "WorkerLeftError",
 ]
 
 

@@ -43,7 +43,7 @@ from ..errors import (
     ProtocolError,
     RpcTimeoutError,
     ShutdownError,
-    UnknownWorkerError,
+    WorkerLeftError,
 )
 from ..protocol import RESPONSE_KINDS, MessageKind, decode_header, encode_header
 from ..serialization import dumps, loads, pickling_for, unpickling_from
@@ -59,8 +59,16 @@ from ._calls import (
     outcome_of,
     run_user_function,
 )
+from ._dynamic_group import (
+    DynamicRendezvous,
+    handle_membership,
+    join_dynamic_group,
+    leave_dynamic_group,
+    send_left,
+)
 from ._futures import Future, complete
 from ._liveness import LivenessMonitor
+from ._members import MemberTable
 from ._observe import StatusPublisher, Tracer, WorkerStats, worker_snapshot
 from ._options import ZmqRpcBackendOptions
 from ._pool import STALL_SECONDS, WorkerPool
@@ -123,11 +131,22 @@ def register_agent_plugin(install: Callable[[Agent], None]) -> None:
 class Agent:
     """One worker of the group: its sockets, threads and call bookkeeping."""
 
-    def __init__(self, name: str, rank: int, world_size: int, options: ZmqRpcBackendOptions):
+    def __init__(
+        self, name: str, rank: int, world_size: int | None, options: ZmqRpcBackendOptions
+    ) -> None:
         self.name = name
-        self.rank = rank
-        self.world_size = world_size
         self.options = options
+        self.dynamic = world_size is None
+        self._rendezvous: Rendezvous | DynamicRendezvous
+        if world_size is None:
+            self._rendezvous = DynamicRendezvous(options.init_method, rank, options.init_timeout)
+            rank = self._rendezvous.rank
+        else:
+            self._rendezvous = Rendezvous(
+                options.init_method, rank, world_size, options.init_timeout
+            )
+        self.rank = rank
+        self._static_world_size = world_size
         self.info = WorkerInfo(name, rank)
         self.identity = f"{rank}:{secrets.token_hex(4)}".encode()
         self.io_thread_ident: int | None = None
@@ -141,9 +160,9 @@ class Agent:
         self._message_ids = itertools.count(1)
         self._inflight = 0
         self._inflight_lock = threading.Lock()
-        self._members: dict[int, GroupMember] = {}
-        self._by_name: dict[str, WorkerInfo] = {}
-        self._infos: dict[int, WorkerInfo] = {}
+        self.members = MemberTable()
+        self._members = self.members.members
+        self._infos = self.members.infos
         self.liveness = LivenessMonitor(self)
         self._credits: dict[int, threading.BoundedSemaphore] = {}
         self._running = False
@@ -160,10 +179,9 @@ class Agent:
         self._pool = WorkerPool(options.num_worker_threads, f"actorrpc-{name}")
         self.register_handler(MessageKind.CALL, self._handle_call)
         self.register_handler(MessageKind.PING, lambda request: None, inline=True)
-        for install in _plugins:
-            install(self)
-        self._rendezvous = Rendezvous(options.init_method, rank, world_size, options.init_timeout)
         try:
+            for install in _plugins:
+                install(self)
             secret = None
             if options.security != "none":
                 secret = self._rendezvous.group_secret(options.resolved_secret())
@@ -176,9 +194,19 @@ class Agent:
                 security=options.security,
                 send_timeout=options.rpc_timeout or 0,
             )
+            self.endpoint = self._transport.endpoint
         except BaseException:
+            if isinstance(self._rendezvous, DynamicRendezvous):
+                self._rendezvous.release_rank()
             self._rendezvous.close()
             raise
+
+    @property
+    def world_size(self) -> int:
+        """The number of workers: fixed in a static group, current members in a dynamic one."""
+        if self._static_world_size is not None:
+            return self._static_world_size
+        return len(self.members.worker_infos())
 
     # -- registration -------------------------------------------------------------------
 
@@ -206,27 +234,40 @@ class Agent:
     def start(self, on_joined: Callable[[], None] | None = None) -> None:
         """Join the group, call ``on_joined``, then start serving.
 
-        Messages that arrive before serving starts wait in the inbox.
+        Messages that arrive before serving starts wait in the inbox. A worker
+        joining a dynamic group serves from the start (its announcements need
+        answers), but nobody knows it before it announces itself.
         """
+        rendezvous = self._rendezvous
         try:
-            members = self._rendezvous.join(self.name, self._transport.endpoint, self.identity)
+            if isinstance(rendezvous, DynamicRendezvous):
+                if on_joined is not None:
+                    on_joined()
+                self._start_serving()
+                join_dynamic_group(self, rendezvous)
+            else:
+                members = rendezvous.join(self.name, self._transport.endpoint, self.identity)
+                for member in members:
+                    self.members.add(member)
+                if on_joined is not None:
+                    on_joined()
+                self._start_serving()
         except BaseException:
+            self._stop_threads()
             self._transport.close()
-            self._rendezvous.close()
+            if isinstance(rendezvous, DynamicRendezvous):
+                rendezvous.release_rank()
+            rendezvous.close()
             raise
-        for member in members:
-            self._members[member.rank] = member
-            info = WorkerInfo(member.name, member.rank)
-            self._infos[member.rank] = info
-            self._by_name[member.name] = info
-        if on_joined is not None:
-            on_joined()
+        self._status.start()
+
+    def _start_serving(self) -> None:
+        self.members.add(GroupMember(self.name, self.rank, self.endpoint, self.identity))
         self._running = True
         self._io_thread = threading.Thread(
             target=self._io_loop, name=f"actorrpc-io-{self.name}", daemon=True
         )
         self._io_thread.start()
-        self._status.start()
 
     def _publish_status(self, rank: int, world_size: int, payload: str) -> None:
         self._rendezvous.publish_status(rank, world_size, payload)
@@ -235,27 +276,28 @@ class Agent:
         return self._running
 
     def worker_infos(self) -> list[WorkerInfo]:
-        return [self._infos[r] for r in sorted(self._infos)]
+        return self.members.worker_infos()
 
     def resolve(self, to: Any) -> WorkerInfo:
         """Map a name, rank or :class:`WorkerInfo` to a member of the group."""
-        if isinstance(to, WorkerInfo):
-            if self._infos.get(to.id) == to:
-                return to
-        elif isinstance(to, str):
-            info = self._by_name.get(to)
-            if info is not None:
-                return info
-        elif isinstance(to, int) and not isinstance(to, bool):
-            info = self._infos.get(to)
-            if info is not None:
-                return info
-        else:
-            raise UnknownWorkerError(
-                f"destination must be a worker name, rank or WorkerInfo, got {type(to).__name__}"
-            )
-        known = ", ".join(sorted(self._by_name))
-        raise UnknownWorkerError(f"could not find destination {to!r}; known workers: {known}")
+        return self.members.resolve(to)
+
+    def forget_member(self, rank: int) -> None:
+        """A dynamic group's member left: fail what waits on it, drop its link."""
+        for message_id, pending in list(self._pending.items()):
+            if pending.dest.id == rank:
+                self._fail_pending(
+                    message_id,
+                    WorkerLeftError(
+                        f"{pending.description or 'call'} on {pending.dest!r} failed: the "
+                        "worker left the group before answering"
+                    ),
+                )
+        member = self.members.remove(rank)
+        self.liveness.forget(rank)
+        self._credits.pop(rank, None)
+        if member is not None:
+            self._transport.drop_link(member.identity)
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -277,10 +319,26 @@ class Agent:
         """
         if not self._running:
             raise ActorRpcError(f"the RPC agent of {self.name!r} is shut down")
-        timeout = self.effective_timeout(timeout)
-        message_id = next(self._message_ids)
         with pickling_for(dest.id):
             body, buffers = dumps(payload, _PAYLOAD_FIELDS.get(kind, "arguments"))
+        return self.send_encoded(dest, kind, body, timeout, description, on_result, buffers)
+
+    def send_encoded(
+        self,
+        dest: Any,
+        kind: MessageKind,
+        body: bytes,
+        timeout: float = -1.0,
+        description: str = "",
+        on_result: Callable[[Any], Any] | None = None,
+        buffers: list[Any] | None = None,
+    ) -> Future[Any]:
+        """Send an already encoded request (``dest``: a WorkerInfo or GroupMember)."""
+        if isinstance(dest, GroupMember):
+            dest = self.members.infos.get(dest.rank) or WorkerInfo(dest.name, dest.rank)
+        buffers = buffers or []
+        timeout = self.effective_timeout(timeout)
+        message_id = next(self._message_ids)
         future: Future[Any] = Future(lambda: f"{description or kind.name} on {dest.name}", self)
         credit = self._take_credit(dest, kind, timeout)
         self._pending[message_id] = PendingCall(
@@ -392,13 +450,26 @@ class Agent:
     ) -> None:
         member = self._members.get(dest_rank)
         if member is None:
+            if dest_rank in self.members.departed:
+                raise self.members.left_error(dest_rank)
             raise PeerUnreachableError(f"worker {dest_rank} is not in the group")
         dead = self.liveness.dead_peers
         if dest_rank in dead and kind != MessageKind.PING:
             raise PeerUnreachableError(dead[dest_rank])
+        self.send_to(member, kind, message_id, body, buffers)
+
+    def send_to(
+        self, member: GroupMember, kind: MessageKind, message_id: int, body: bytes,
+        buffers: list[Any],
+    ) -> None:
+        """Put one message on the link to ``member`` (whether or not it is in the table)."""
         header = encode_header(kind, len(buffers), self.rank, message_id)
         self._transport.link(member.identity, member.endpoint).send([header, body, *buffers])
-        self.stats.bytes_out[dest_rank] += len(body) + sum(b.nbytes for b in buffers)
+        self.stats.bytes_out[member.rank] += len(body) + sum(b.nbytes for b in buffers)
+
+    @staticmethod
+    def encode_reply(value: Any) -> tuple[bytes, list[Any]]:
+        return dumps(value, "result")
 
     # -- replying -----------------------------------------------------------------------------
 
@@ -519,7 +590,8 @@ class Agent:
                     ),
                 )
 
-    def _warn(self, what: str) -> None:
+    def warn(self, what: str) -> None:
+        """Log a warning about a peer's message, at most one per interval."""
         now = time.monotonic()
         if now - self._last_warning < _WARN_INTERVAL:
             self._suppressed_warnings += 1
@@ -532,17 +604,20 @@ class Agent:
 
     def _on_message(self, message: list[Any]) -> None:
         if len(message) < 3:
-            self._warn(f"dropped a message of {len(message)} frames (need at least 3)")
+            self.warn(f"dropped a message of {len(message)} frames (need at least 3)")
             return
         identity = message[0].bytes
         try:
             header = decode_header(message[1].buffer)
         except ProtocolError as exc:
-            self._warn(f"dropped a malformed message: {exc}")
+            self.warn(f"dropped a malformed message: {exc}")
+            return
+        if header.kind == MessageKind.MEMBERSHIP:
+            handle_membership(self, identity, header, message[2:])
             return
         member = self._members.get(header.sender)
         if member is None or member.identity != identity:
-            self._warn(f"dropped a message claiming to be rank {header.sender}: unknown sender")
+            self.warn(f"dropped a message claiming to be rank {header.sender}: unknown sender")
             return
         self.liveness.heard_from(header.sender, member.name)
         self.stats.bytes_in[header.sender] += sum(len(f) for f in message[2:])
@@ -556,7 +631,7 @@ class Agent:
             if is_response and pending is not None and pending.dest.id == header.sender:
                 self._fail_pending(header.message_id, error)
             elif is_response:
-                self._warn(f"dropped a malformed reply from rank {header.sender}")
+                self.warn(f"dropped a malformed reply from rank {header.sender}")
             else:
                 self._reply_exception(header.sender, header.message_id, error)
             return
@@ -594,7 +669,7 @@ class Agent:
         if pending is None:
             return  # a late reply to a call that already timed out
         if pending.dest.id != sender:
-            self._warn(f"dropped a reply from rank {sender} to a call made to {pending.dest!r}")
+            self.warn(f"dropped a reply from rank {sender} to a call made to {pending.dest!r}")
             return
         self._take_pending(message_id)
         if self.tracer.enabled:
@@ -643,7 +718,9 @@ class Agent:
         budget = self.options.shutdown_timeout if timeout is None or timeout < 0 else timeout
         deadline = time.monotonic() + (budget if budget > 0 else 10**9)
         problems: list[str] = []
-        if graceful:
+        if isinstance(self._rendezvous, DynamicRendezvous):
+            self._leave(self._rendezvous, graceful, deadline, problems)
+        elif graceful:
             try:
                 graceful_barriers(self, deadline, budget, problems)
             except Exception as exc:  # noqa: BLE001 - report, then still close
@@ -651,6 +728,24 @@ class Agent:
         self._close(graceful)
         if problems:
             raise ShutdownError(f"shutdown of {self.name!r} was not clean: " + "; ".join(problems))
+
+    def _leave(
+        self, rendezvous: DynamicRendezvous, graceful: bool, deadline: float, problems: list[str]
+    ) -> None:
+        """Leave a dynamic group; the others go on (see ``_dynamic_group``)."""
+        if graceful:
+            for hook in self._shutdown_hooks:
+                try:
+                    hook(deadline)
+                except Exception as exc:  # noqa: BLE001 - report every problem
+                    problems.append(str(exc))
+            problems.extend(leave_dynamic_group(self, rendezvous, deadline))
+            if not self.wait_idle(deadline):
+                problems.append("calls still pending: " + ", ".join(self.pending_destinations()))
+        else:
+            leave_dynamic_group(self, rendezvous, min(deadline, time.monotonic() + 1.0))
+        self._stop_threads()
+        send_left(self)
 
     def _stop_threads(self) -> None:
         self._status.stop()
@@ -665,7 +760,7 @@ class Agent:
         error = ActorRpcError(f"RPC agent {self.name!r} shut down before the call completed")
         for message_id in list(self._pending):
             self._fail_pending(message_id, error)
-        self._transport.close()
+        self._transport.close(linger=1.0 if self.dynamic else 0.0)
         self._rendezvous.close()
         for hook in self._close_hooks:
             hook(graceful)

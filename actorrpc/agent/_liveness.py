@@ -46,6 +46,12 @@ class LivenessMonitor:
             _log.warning("%s: worker %s answers again", self._agent.name, name)
             del self.dead_peers[rank]
 
+    def forget(self, rank: int) -> None:
+        """A member that joined anew or left: nothing known about it holds any more."""
+        self.last_seen.pop(rank, None)
+        self.dead_peers.pop(rank, None)
+        self._pinging.discard(rank)
+
     def dead_among(self, ranks: list[int]) -> list[int]:
         """Of ``ranks``, those known dead; probe the others (used while a barrier waits)."""
         for rank in ranks:
@@ -67,12 +73,15 @@ class LivenessMonitor:
 
     def probe(self, rank: int) -> None:
         """Send a liveness PING to ``rank`` unless one is in flight or it is known dead."""
+        info = self._agent.members.infos.get(rank)
         if rank in self._pinging or rank in self.dead_peers or rank == self._agent.rank:
             return
+        if info is None:
+            return  # it left the group
         self._pinging.add(rank)
         try:
             ping = self._agent.send_request(
-                self._agent._infos[rank],
+                info,
                 MessageKind.PING,
                 (),
                 self._agent.options.dead_peer_timeout,
@@ -89,7 +98,9 @@ class LivenessMonitor:
         try:
             done.wait()
         except RpcTimeoutError:
-            info = self._agent._infos[rank]
+            info = self._agent.members.infos.get(rank)
+            if info is None:
+                return  # it left the group meanwhile
             self.declare_dead(
                 rank,
                 (

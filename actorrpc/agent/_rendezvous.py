@@ -32,7 +32,21 @@ import torch.distributed as dist
 
 from ..errors import RendezvousError
 
-__all__ = ["GroupMember", "Rendezvous", "StoreBarrier", "choose_addresses", "master_address"]
+__all__ = [
+    "GroupMember",
+    "Rendezvous",
+    "StoreBarrier",
+    "choose_addresses",
+    "connect_store",
+    "describe_init_method",
+    "group_secret",
+    "host_store",
+    "is_listening",
+    "is_loopback",
+    "master_address",
+    "poll_until",
+    "store_errors",
+]
 
 _POLL_INTERVAL = 0.002
 _MAX_POLL_INTERVAL = 0.05
@@ -46,7 +60,7 @@ class GroupMember:
     identity: bytes
 
 
-def _poll_until(condition: Callable[[], bool], deadline: float) -> bool:
+def poll_until(condition: Callable[[], bool], deadline: float) -> bool:
     """Poll ``condition`` with a growing interval until it holds or ``deadline`` passes."""
     interval = _POLL_INTERVAL
     while not condition():
@@ -71,7 +85,7 @@ def master_address(init_method: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
     except (OSError, ValueError):
@@ -88,7 +102,7 @@ def choose_addresses(options: Any) -> tuple[str, str]:
     master = master_address(options.init_method)
     if options.bind_host:
         bind = options.bind_host
-    elif master is None or _is_loopback(master[0]):
+    elif master is None or is_loopback(master[0]):
         bind = "127.0.0.1"
     else:
         bind = "0.0.0.0"
@@ -106,7 +120,7 @@ def choose_addresses(options: Any) -> tuple[str, str]:
     return bind, socket.gethostname()
 
 
-def _describe_init_method(init_method: str) -> str:
+def describe_init_method(init_method: str) -> str:
     if init_method.startswith("env://"):
         addr = os.environ.get("MASTER_ADDR", "<MASTER_ADDR unset>")
         port = os.environ.get("MASTER_PORT", "<MASTER_PORT unset>")
@@ -138,19 +152,28 @@ def _open_store(init_method: str, rank: int, world_size: int, timeout: float) ->
         return store
     host, port = master
     if rank != 0:
-        deadline = time.monotonic() + timeout
-        _wait_until_listening(host, port, deadline, init_method)
-        remaining = max(1.0, deadline - time.monotonic())
-        return dist.TCPStore(
-            host, port, None, False, timedelta(seconds=remaining), wait_for_workers=False
-        )
+        return connect_store(host, port, time.monotonic() + timeout, init_method)
+    return host_store(host, port, timeout)
+
+
+def connect_store(host: str, port: int, deadline: float, init_method: str) -> Any:
+    """A client of the TCPStore at ``host:port``, once something listens there."""
+    _wait_until_listening(host, port, deadline, init_method)
+    remaining = max(1.0, deadline - time.monotonic())
+    return dist.TCPStore(
+        host, port, None, False, timedelta(seconds=remaining), wait_for_workers=False
+    )
+
+
+def host_store(host: str, port: int, timeout: float) -> Any:
+    """Host (or reuse the one this process hosts) the TCPStore at ``host:port``."""
     with _hosted_lock:
         hosted = _hosted_stores.get((host, port))
         if hosted is None:
             for key in list(_hosted_stores):
                 del _hosted_stores[key]  # a new address: stop hosting the old ones
             # a local group's store listens on loopback only: it holds the generated secret
-            listener = _loopback_listener(host, port) if _is_loopback(host) else None
+            listener = _loopback_listener(host, port) if is_loopback(host) else None
             store = dist.TCPStore(
                 host, port, None, True, timedelta(seconds=timeout),
                 wait_for_workers=False, multi_tenant=True,
@@ -158,6 +181,15 @@ def _open_store(init_method: str, rank: int, world_size: int, timeout: float) ->
             )
             hosted = _hosted_stores[(host, port)] = (store, listener)
         return hosted[0]
+
+
+def is_listening(host: str, port: int) -> bool:
+    """Whether something accepts connections at ``host:port`` right now."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def _wait_until_listening(host: str, port: int, deadline: float, init_method: str) -> None:
@@ -170,7 +202,7 @@ def _wait_until_listening(host: str, port: int, deadline: float, init_method: st
         except OSError as exc:
             if time.monotonic() >= deadline:
                 raise RendezvousError(
-                    f"the rendezvous master at {_describe_init_method(init_method)} is "
+                    f"the rendezvous master at {describe_init_method(init_method)} is "
                     f"unreachable: nothing accepted a connection before the init timeout ({exc})"
                 ) from exc
         time.sleep(interval)
@@ -201,7 +233,7 @@ def _loopback_listener(host: str, port: int) -> socket.socket:
 
 
 @contextlib.contextmanager
-def _store_errors(what: str) -> Iterator[None]:
+def store_errors(what: str) -> Iterator[None]:
     """Map the store's own errors (a peer closed it, a timeout) to :class:`RendezvousError`."""
     try:
         yield
@@ -214,6 +246,27 @@ def _store_errors(what: str) -> Iterator[None]:
         ) from exc
 
 
+def group_secret(store: Any, init_method: str, own_secret: str | None, who: str) -> str:
+    """The group secret: our own, else the one the first worker generated in the store.
+
+    Sharing it through the store is safe only when nobody else can reach the
+    store: the master must be on loopback (where the store then listens only on
+    loopback); otherwise an explicit secret is required.
+    """
+    if own_secret:
+        return own_secret
+    master = master_address(init_method)
+    if master is None or not is_loopback(master[0]):
+        raise RendezvousError(
+            "a group whose master is not on this host needs an explicit secret: set "
+            "ACTORRPC_SECRET (or ACTORRPC_SECRET_FILE, or the 'secret' option) to the same "
+            "value on every worker; `actorrpc launch` generates one for a single node"
+        )
+    with store_errors(f"{who} reading the group secret"):
+        # the first worker to get here sets it; everyone reads back the winner's
+        return bytes(store.compare_set("secret", "", secrets.token_hex(32))).decode()
+
+
 class Rendezvous:
     """The store connection of one ``init_rpc``; lives until ``shutdown`` finishes."""
 
@@ -222,7 +275,7 @@ class Rendezvous:
         self.world_size = world_size
         self.timeout = timeout
         self.init_method = init_method
-        where = _describe_init_method(init_method)
+        where = describe_init_method(init_method)
         if init_method.startswith("env://"):
             missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
             if missing:
@@ -251,29 +304,11 @@ class Rendezvous:
             raise RendezvousError(self.store.get("error").decode())
 
     def group_secret(self, own_secret: str | None) -> str:
-        """The group secret: our own, else one rank 0 generates and shares through the store.
-
-        Sharing it through the store is safe only when nobody else can reach the
-        store: the master must be on loopback (where the store then listens
-        only on loopback); otherwise an explicit secret is required.
-        """
-        if own_secret:
-            return own_secret
-        master = master_address(self.init_method)
-        if master is None or not _is_loopback(master[0]):
-            raise RendezvousError(
-                "a group whose master is not on this host needs an explicit secret: set "
-                "ACTORRPC_SECRET (or ACTORRPC_SECRET_FILE, or the 'secret' option) to the same "
-                "value on every worker; `actorrpc launch` generates one for a single node"
-            )
-        with _store_errors(f"rank {self.rank} reading the group secret"):
-            if self.rank == 0:
-                self.store.set("secret", secrets.token_hex(32))
-            return bytes(self.store.get("secret")).decode()
+        return group_secret(self.store, self.init_method, own_secret, f"rank {self.rank}")
 
     def join(self, name: str, endpoint: str, identity: bytes) -> list[GroupMember]:
         """Publish this worker and return every member, ordered by rank."""
-        with _store_errors(f"rank {self.rank} ({name!r}) joining the group"):
+        with store_errors(f"rank {self.rank} ({name!r}) joining the group"):
             return self._join(name, endpoint, identity)
 
     def _join(self, name: str, endpoint: str, identity: bytes) -> list[GroupMember]:
@@ -291,12 +326,12 @@ class Rendezvous:
             self._raise_if_failed()
             return bool(self.store.check(keys))
 
-        if not _poll_until(ready, deadline):
+        if not poll_until(ready, deadline):
             missing = [r for r in range(self.world_size) if not self.store.check([keys[r]])]
             raise RendezvousError(
                 f"the group never filled: ranks {missing} of world_size {self.world_size} did "
                 f"not join within {self.timeout:.0f}s (rendezvous at "
-                f"{_describe_init_method(self.init_method)})"
+                f"{describe_init_method(self.init_method)})"
             )
         members = []
         for r in range(self.world_size):
@@ -357,7 +392,7 @@ class StoreBarrier:
             missing = self.missing()
             return bool(missing) and set(missing) <= set(dead(missing))
 
-        _poll_until(done, deadline)
+        poll_until(done, deadline)
         return self.missing()
 
     def missing(self) -> list[int]:

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ._rendezvous import Rendezvous
+
 if TYPE_CHECKING:
     from ._agent import Agent
 
@@ -41,6 +43,7 @@ def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: li
                         problems.append(str(exc))
             if tag != "arrived" and not agent.wait_idle(deadline):
                 problems.append("calls still pending: " + ", ".join(agent.pending_destinations()))
+            assert isinstance(agent._rendezvous, Rendezvous), "static groups only"
             barrier = agent._rendezvous.barrier(f"shutdown/{tag}")
             barrier.arrive()
             if tag == "done" and agent.rank != 0:

@@ -54,12 +54,29 @@ AUTOGRAD_BACKWARD          9  ``(context_id, message_id, grads, retain_graph, pa
 AUTOGRAD_CLEANUP          10  ``(context_id,)``
 PING                      11  ``()`` application-level liveness check
 BARRIER                   12  ``(name, rank)``
+MEMBERSHIP                13  UTF-8 JSON, never pickled (dynamic groups, see below)
 ========================  ==  ============================================================
 
 ``meta`` is a dict of call metadata contributed by registered call hooks (for
 example the distributed autograd context id). Higher layers register handlers
 for their kinds with the agent's dispatcher; the dispatcher itself knows none
 of them.
+
+Membership messages
+-------------------
+In a dynamic group (``init_rpc`` without a world size) workers join and leave
+while the others run. ``MEMBERSHIP`` payloads are JSON objects so that a worker
+not yet in the receiver's member table is never unpickled::
+
+    {"op": "join",    "rank": r, "name": n, "endpoint": e, "identity": hex}
+    {"op": "probe",   "rank": r, "name": n, "endpoint": e, "identity": hex}
+    {"op": "leaving", "rank": r}
+    {"op": "left",    "rank": r}
+
+``join`` adds the sender to the member table and ``probe`` only proves the
+receiver alive; both are answered over a link to ``endpoint``. ``leaving`` is
+answered; ``left`` is the sender's last message and is not answered. The
+``identity`` must equal the routing id the message arrived with.
 
 Errors
 ------
@@ -111,6 +128,7 @@ class MessageKind(enum.IntEnum):
     AUTOGRAD_CLEANUP = 10
     PING = 11
     BARRIER = 12
+    MEMBERSHIP = 13
 
 
 RESPONSE_KINDS = frozenset({MessageKind.RESPONSE, MessageKind.EXCEPTION})

@@ -352,6 +352,8 @@ def _send_user_delete(agent: Agent, owner: int, rref_id: Any, fork_id: Any) -> N
 
 SHUTDOWN_RREF_WAIT_LIMIT = 100.0
 """Most seconds graceful shutdown waits for RRef deletes (torch waits 100 s)."""
+DYNAMIC_LEAVE_FORK_WAIT = 1.0
+"""Most seconds a worker leaving a dynamic group waits for others to drop its RRefs."""
 
 
 def _shutdown_rrefs(agent: Agent, ctx: RRefContext, deadline: float) -> None:
@@ -366,6 +368,10 @@ def _shutdown_rrefs(agent: Agent, ctx: RRefContext, deadline: float) -> None:
     deadline = min(now + (deadline - now) / 2, now + SHUTDOWN_RREF_WAIT_LIMIT)
     drained = ctx.wait_until(lambda: not ctx.pending_users and not ctx.pending_children, deadline)
     ctx.delete_all_users()
+    if agent.dynamic:
+        # the others go on: forks they keep would be waited for in vain (deletes in flight
+        # still get a moment to arrive)
+        deadline = min(deadline, time.monotonic() + DYNAMIC_LEAVE_FORK_WAIT)
     forks_gone = ctx.wait_until(lambda: not ctx.forks, deadline)
     if drained and forks_gone:
         return

@@ -79,11 +79,12 @@ class PeerLink:
             except zmq.ZMQError as exc:
                 raise PeerUnreachableError(f"sending to {self.endpoint} failed: {exc}") from exc
 
-    def close(self) -> None:
+    def close(self, linger: float = 0.0) -> None:
+        """Close the socket; messages still queued get up to ``linger`` seconds to leave."""
         with self._lock:
             if not self.closed:
                 self.closed = True
-                self._socket.close(linger=0)
+                self._socket.close(linger=int(linger * 1000))
 
 
 class Transport:
@@ -249,13 +250,17 @@ class Transport:
             except zmq.ZMQError:
                 pass
 
-    def close(self) -> None:
-        """Close every socket (without lingering) and terminate the ZeroMQ context."""
+    def close(self, linger: float = 0.0) -> None:
+        """Close every socket and terminate the ZeroMQ context.
+
+        Messages still queued on links get up to ``linger`` seconds to leave
+        (a worker leaving a running group makes sure its last message arrives).
+        """
         with self._links_lock:
             links = list(self._links.values())
             self._links.clear()
         for link in links:
-            link.close()
+            link.close(linger)
         for name in ("_inbox", "_wake_tx"):
             socket = getattr(self, name, None)
             if socket is not None:
