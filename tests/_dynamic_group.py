@@ -151,6 +151,7 @@ def driver(init_method: str) -> dict[str, Any]:
     del rref
     kept = rpc.remote("w1", torch.mul, args=(torch.ones(2), 5))  # outlives its owner
     kept.to_here()
+    out["status_workers"] = _status_workers(init_method, 3)
     _log("a taken name, a taken rank")
     out["clash"] = _result_of(_spawn("clash", "--init-method", init_method))
 
@@ -200,6 +201,21 @@ def driver(init_method: str) -> dict[str, Any]:
     rpc.shutdown()
     out["driver_shutdown_seconds"] = time.monotonic() - started
     return out
+
+
+def _status_workers(init_method: str, count: int) -> list[str]:
+    """The workers ``actorrpc status`` lists once ``count`` have published."""
+    from actorrpc.cli.status import read_status
+
+    host, port = init_method[len("tcp://"):].rsplit(":", 1)
+    seen: list[str] = []
+
+    def listed() -> bool:
+        seen[:] = sorted(w["worker"] for w in read_status(host, int(port), 5.0))
+        return len(seen) >= count
+
+    _wait_for(listed, 15)
+    return seen
 
 
 def my_rank_of(name: str) -> int:

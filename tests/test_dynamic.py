@@ -55,6 +55,7 @@ def test_members_join_a_running_group_and_everyone_sees_them(observed):
         assert sorted(observed[who]) == ["driver", "w0", "w1"], who
     assert observed["w0_calls_w1"] == 42.0  # joiners reach each other, not only the driver
     assert observed["rref_value"] == [3.0, 3.0]
+    assert observed["status_workers"] == ["driver", "w0", "w1"]  # `actorrpc status` sees them
 
 
 def test_taken_name_and_taken_rank_are_refused_and_leave_nothing_behind(observed):
