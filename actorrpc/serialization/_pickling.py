@@ -148,21 +148,26 @@ def _span(tensor: torch.Tensor) -> int:
 
 def _reduce_tensor(tensor: torch.Tensor) -> Any:
     if (
-        tensor.layout != torch.strided
-        or tensor.device.type != "cpu"
+        not tensor.is_cpu
+        or tensor.layout != torch.strided
         or tensor.is_quantized
         or tensor.is_conj()
         or tensor.is_neg()
-        or any(s < 0 for s in tensor.stride())
     ):
         return NotImplemented
     detached = tensor.detach()
-    span = _span(detached)
-    if span > detached.numel():
-        detached = detached.contiguous()  # a gappy view: send only its elements
-        span = detached.numel()
-    flat = torch.as_strided(detached, (span,), (1,), detached.storage_offset())
-    raw: Any = flat.view(torch.uint8).numpy() if span else b""
+    raw: Any
+    if detached.is_contiguous():  # the common case: no span arithmetic, fewer torch calls
+        raw = detached.reshape(-1).view(torch.uint8).numpy() if detached.numel() else b""
+    else:
+        if any(s < 0 for s in detached.stride()):
+            return NotImplemented
+        span = _span(detached)
+        if span > detached.numel():
+            detached = detached.contiguous()  # a gappy view: send only its elements
+            span = detached.numel()
+        flat = torch.as_strided(detached, (span,), (1,), detached.storage_offset())
+        raw = flat.view(torch.uint8).numpy() if span else b""
     data = pickle.PickleBuffer(raw)
     return (
         _rebuild_tensor,
