@@ -25,6 +25,7 @@ import zmq
 import actorrpc as rpc
 from actorrpc.agent import current_agent
 from actorrpc.protocol import (
+    FLAG_SHARED_MEMORY,
     HEADER_SIZE,
     MAGIC,
     PROTOCOL_VERSION,
@@ -78,7 +79,7 @@ def test_too_many_buffers_rejected():
         (_RAW.pack(b"AR", 2, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", 255, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", 1, 0, 0, 0, 0, 1), "kind"),
-        (_RAW.pack(b"AR", 1, 14, 0, 0, 0, 1), "kind"),
+        (_RAW.pack(b"AR", 1, 15, 0, 0, 0, 1), "kind"),
         (_RAW.pack(b"AR", 1, 255, 0, 0, 0, 1), "kind"),
         (b"", "0 bytes"),
         (b"AR", "2 bytes"),
@@ -92,7 +93,7 @@ def test_too_many_buffers_rejected():
         "version-2",
         "version-255",
         "kind-0",
-        "kind-14",
+        "kind-15",
         "kind-255",
         "empty",
         "magic-only",
@@ -192,6 +193,18 @@ class RawPeer:
 
 def header(kind, nbuffers=0, sender=1, message_id=None) -> bytes:
     return encode_header(kind, nbuffers, sender, message_id if message_id is not None else _BIG_ID)
+
+
+def shm_header() -> bytes:
+    """A CALL header with one buffer, flagged as travelling in shared memory."""
+    return encode_header(MessageKind.CALL, 1, 1, _BIG_ID, flags=FLAG_SHARED_MEMORY)
+
+
+def _descriptor(name: bytes) -> bytes:
+    return (4096).to_bytes(8, "big") + name
+
+
+_NO_SEGMENT = _descriptor(b"actorrpc-0123456789ab")
 
 
 def marking_call(token: str) -> bytes:
@@ -413,6 +426,16 @@ def _requests_answered_with_errors(tok: str) -> list[tuple[str, list[bytes]]]:
             u + "12",
             [header(MessageKind.AUTOGRAD_CLEANUP), pickle.dumps((MarkOnUnpickle(u + "12"),))],
         ),
+        # shared-memory descriptors that name nothing mappable: refused, never opened
+        ("", [shm_header(), marking_call(u + "s1"), b"\x00" * 8, b"\x00\x00"]),
+        (
+            "",
+            [shm_header(), marking_call(u + "s2"), _descriptor(b"../../etc/passwd"), b"\x00\x00"],
+        ),
+        ("", [shm_header(), marking_call(u + "s3"), _NO_SEGMENT, b"\x00\x00"]),
+        ("", [shm_header(), marking_call(u + "s4"), _NO_SEGMENT, b"\x00\x05"]),
+        ("", [shm_header(), marking_call(u + "s5"), _NO_SEGMENT]),
+        ("", [shm_header(), marking_call(u + "s6"), _NO_SEGMENT, b"\x00"]),
         ("", [header(MessageKind.PING), b"garbage"]),
         ("", [header(MessageKind.BARRIER), b"garbage"]),
         ("", [header(MessageKind.BARRIER), pickle.dumps(("x", 1))]),

@@ -7,9 +7,9 @@ from ._agent import (
     IncomingRequest,
     current_agent,
     register_agent_plugin,
-    run_user_function,
     set_current_agent,
 )
+from ._calls import run_user_function
 from ._futures import Future, complete
 from ._options import (
     DEFAULT_INIT_METHOD,

@@ -30,35 +30,28 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from typing import Any
-
-import torch
 
 from ..errors import (
     ActorRpcError,
-    DeserializationError,
     NotInitializedError,
     PeerUnreachableError,
-    ProtocolError,
     RpcTimeoutError,
     ShutdownError,
     WorkerLeftError,
 )
-from ..protocol import RESPONSE_KINDS, MessageKind, decode_header, encode_header
-from ..serialization import dumps, loads, pickling_for, unpickling_from
+from ..protocol import Header, MessageKind, encode_header
+from ..serialization import dumps, pickling_for
 from ..transport import Transport
 from ._calls import (
     CallHook,
     CallRecord,
-    Failure,
     Handler,
     HandlerEntry,
     IncomingRequest,
     PendingCall,
-    outcome_of,
-    run_user_function,
 )
+from ._dispatch import MessageDispatcher
 from ._dynamic_group import (
     DynamicRendezvous,
     handle_membership,
@@ -72,8 +65,8 @@ from ._members import MemberTable
 from ._observe import StatusPublisher, Tracer, WorkerStats, worker_snapshot
 from ._options import ZmqRpcBackendOptions
 from ._pool import STALL_SECONDS, WorkerPool
-from ._remote_exception import pack_exception, rebuild_exception
 from ._rendezvous import GroupMember, Rendezvous, choose_addresses
+from ._shared_buffers import SharedBuffers
 from ._shutdown import graceful_barriers, wait_until
 from ._worker_info import WorkerInfo
 
@@ -95,8 +88,6 @@ _PAYLOAD_FIELDS: dict[MessageKind, Any] = {
     MessageKind.CALL: _CALL_FIELDS,
     MessageKind.REMOTE_CALL: _CALL_FIELDS,
 }
-_WARN_INTERVAL = 5.0
-
 
 _plugins: list[Callable[[Agent], None]] = []
 _current: Agent | None = None
@@ -128,7 +119,7 @@ def register_agent_plugin(install: Callable[[Agent], None]) -> None:
         _plugins.append(install)
 
 
-class Agent:
+class Agent(MessageDispatcher):
     """One worker of the group: its sockets, threads and call bookkeeping."""
 
     def __init__(
@@ -195,6 +186,7 @@ class Agent:
                 send_timeout=options.rpc_timeout or 0,
             )
             self.endpoint = self._transport.endpoint
+            self.shared = SharedBuffers(self, options.shared_memory_threshold)
         except BaseException:
             if isinstance(self._rendezvous, DynamicRendezvous):
                 self._rendezvous.release_rank()
@@ -282,6 +274,9 @@ class Agent:
         """Map a name, rank or :class:`WorkerInfo` to a member of the group."""
         return self.members.resolve(to)
 
+    def _on_membership(self, identity: bytes, header: Header, frames: list[Any]) -> None:
+        handle_membership(self, identity, header, frames)
+
     def forget_member(self, rank: int) -> None:
         """A dynamic group's member left: fail what waits on it, drop its link."""
         for message_id, pending in list(self._pending.items()):
@@ -295,6 +290,7 @@ class Agent:
                 )
         member = self.members.remove(rank)
         self.liveness.forget(rank)
+        self.shared.peer_gone(rank)
         self._credits.pop(rank, None)
         if member is not None:
             self._transport.drop_link(member.identity)
@@ -405,24 +401,6 @@ class Agent:
 
         return record, transform_all
 
-    def serve(
-        self,
-        sender: WorkerInfo,
-        meta: dict[str, Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        run: Callable[[CallRecord], Any],
-    ) -> Any:
-        """Run ``run(call)`` inside every hook's ``serving`` scope; return the call's result."""
-        record = CallRecord(sender, meta, args, kwargs)
-        if not self._hooks:
-            return run(record)
-        with ExitStack() as stack:
-            for hook in self._hooks:
-                stack.enter_context(hook.serving(record))
-            record.result = run(record)
-        return record.result
-
     def call(
         self,
         dest: WorkerInfo,
@@ -463,88 +441,19 @@ class Agent:
         buffers: list[Any],
     ) -> None:
         """Put one message on the link to ``member`` (whether or not it is in the table)."""
-        header = encode_header(kind, len(buffers), self.rank, message_id)
-        self._transport.link(member.identity, member.endpoint).send([header, body, *buffers])
+        frames, flags, lent = self.shared.outgoing(member, body, buffers)
+        header = encode_header(kind, len(buffers), self.rank, message_id, flags)
+        try:
+            self._transport.link(member.identity, member.endpoint).send([header, *frames])
+        except BaseException:
+            if lent:
+                self.shared.take_back(lent, member.rank)
+            raise
         self.stats.bytes_out[member.rank] += len(body) + sum(b.nbytes for b in buffers)
 
     @staticmethod
     def encode_reply(value: Any) -> tuple[bytes, list[Any]]:
         return dumps(value, "result")
-
-    # -- replying -----------------------------------------------------------------------------
-
-    def _reply(self, sender: int, message_id: int, value: Any) -> None:
-        try:
-            with pickling_for(sender):
-                body, buffers = dumps(value, "result")
-            self._send(sender, MessageKind.RESPONSE, message_id, body, buffers)
-        except PeerUnreachableError:
-            _log.warning("%s: cannot reply to worker %s: it is unreachable", self.name, sender)
-        except BaseException as exc:  # noqa: BLE001 - the error goes to the caller instead
-            self._reply_exception(sender, message_id, exc)
-
-    def _reply_exception(self, sender: int, message_id: int, exc: BaseException) -> None:
-        info = pack_exception(exc, repr(self.info))
-        try:
-            body, buffers = dumps(info, "exception")
-            self._send(sender, MessageKind.EXCEPTION, message_id, body, buffers)
-        except BaseException:  # noqa: BLE001 - last resort: nothing else can be done
-            _log.exception("%s: cannot send an error reply to worker %s", self.name, sender)
-
-    def _finish_request(self, sender: int, message_id: int, outcome: Any) -> None:
-        try:
-            if isinstance(outcome, torch._C.Future):
-                outcome.add_done_callback(
-                    lambda fut: self._finish_request(sender, message_id, outcome_of(fut))
-                )
-                return
-            if isinstance(outcome, Failure):
-                self._reply_exception(sender, message_id, outcome.error)
-            else:
-                self._reply(sender, message_id, outcome)
-        except BaseException as exc:  # noqa: BLE001
-            self._reply_exception(sender, message_id, exc)
-        with self._inflight_lock:
-            self._inflight -= 1
-
-    # -- serving ------------------------------------------------------------------------------
-
-    def _serve(
-        self,
-        kind: MessageKind,
-        sender: WorkerInfo,
-        message_id: int,
-        frames: list[Any],
-        entry: HandlerEntry,
-    ) -> None:
-        started = time.time()
-        payload: Any = None
-        try:
-            with unpickling_from(sender.id) as source:
-                payload = loads(frames[0].buffer, [f.buffer for f in frames[1:]])
-            for waiter in source.pending:
-                waiter.wait()
-            outcome = entry.handler(IncomingRequest(kind, sender, message_id, payload))
-        except BaseException as exc:  # noqa: BLE001 - every failure is answered
-            outcome = Failure(exc)
-        self._finish_request(sender.id, message_id, outcome)
-        if self.tracer.enabled:
-            what = kind.name
-            if kind in (MessageKind.CALL, MessageKind.REMOTE_CALL) and payload is not None:
-                what = getattr(payload[0], "__qualname__", None) or repr(payload[0])
-            nbytes = sum(len(f) for f in frames)
-            outcome_name = "error" if isinstance(outcome, Failure) else "ok"
-            self.tracer.served(sender.id, message_id, what, nbytes, started, outcome_name)
-
-    def _handle_call(self, request: IncomingRequest) -> Any:
-        func, args, kwargs, meta = request.payload[:4]
-        return self.serve(
-            request.sender,
-            meta,
-            args,
-            kwargs,
-            lambda call: run_user_function(func, call.args, call.kwargs),
-        )
 
     # -- the I/O loop -------------------------------------------------------------------------
 
@@ -589,113 +498,6 @@ class Agent:
                         f"{pending.dest!r}"
                     ),
                 )
-
-    def warn(self, what: str) -> None:
-        """Log a warning about a peer's message, at most one per interval."""
-        now = time.monotonic()
-        if now - self._last_warning < _WARN_INTERVAL:
-            self._suppressed_warnings += 1
-            return
-        count = self._suppressed_warnings
-        extra = f" ({count} similar suppressed)" if count else ""
-        self._last_warning = now
-        self._suppressed_warnings = 0
-        _log.warning("%s: %s%s", self.name, what, extra)
-
-    def _on_message(self, message: list[Any]) -> None:
-        if len(message) < 3:
-            self.warn(f"dropped a message of {len(message)} frames (need at least 3)")
-            return
-        identity = message[0].bytes
-        try:
-            header = decode_header(message[1].buffer)
-        except ProtocolError as exc:
-            self.warn(f"dropped a malformed message: {exc}")
-            return
-        if header.kind == MessageKind.MEMBERSHIP:
-            handle_membership(self, identity, header, message[2:])
-            return
-        member = self._members.get(header.sender)
-        if member is None or member.identity != identity:
-            self.warn(f"dropped a message claiming to be rank {header.sender}: unknown sender")
-            return
-        self.liveness.heard_from(header.sender, member.name)
-        self.stats.bytes_in[header.sender] += sum(len(f) for f in message[2:])
-        frames = message[2:]
-        is_response = header.kind in RESPONSE_KINDS
-        if len(frames) != 1 + header.nbuffers:
-            error = ProtocolError(
-                f"message declares {header.nbuffers} buffers but carries {len(frames) - 1}"
-            )
-            pending = self._pending.get(header.message_id)
-            if is_response and pending is not None and pending.dest.id == header.sender:
-                self._fail_pending(header.message_id, error)
-            elif is_response:
-                self.warn(f"dropped a malformed reply from rank {header.sender}")
-            else:
-                self._reply_exception(header.sender, header.message_id, error)
-            return
-        if is_response:
-            self._on_response(header.kind, header.sender, header.message_id, frames)
-            return
-        sender = self._infos[header.sender]
-        entry = self._handlers.get(header.kind)
-        if entry is None:
-            self._reply_exception(
-                header.sender,
-                header.message_id,
-                ProtocolError(
-                    f"worker {self.name!r} has no handler for message kind {header.kind.name}"
-                ),
-            )
-            return
-        with self._inflight_lock:
-            self._inflight += 1
-        self.stats.requests_served[header.sender] += 1
-        if entry.inline:
-            self._serve(header.kind, sender, header.message_id, frames, entry)
-        else:
-            self._pool.submit(self._serve, header.kind, sender, header.message_id, frames, entry)
-
-    def _fail_pending(self, message_id: int, error: BaseException) -> None:
-        pending = self._take_pending(message_id)
-        if pending is not None:
-            complete(pending.future, error=error)
-
-    def _on_response(
-        self, kind: MessageKind, sender: int, message_id: int, frames: list[Any]
-    ) -> None:
-        pending = self._pending.get(message_id)
-        if pending is None:
-            return  # a late reply to a call that already timed out
-        if pending.dest.id != sender:
-            self.warn(f"dropped a reply from rank {sender} to a call made to {pending.dest!r}")
-            return
-        self._take_pending(message_id)
-        if self.tracer.enabled:
-            outcome = "error" if kind == MessageKind.EXCEPTION else "ok"
-            self.tracer.call_done(message_id, sum(len(f) for f in frames), outcome)
-        try:
-            with unpickling_from(sender):
-                value = loads(frames[0].buffer, [f.buffer for f in frames[1:]])
-        except DeserializationError as exc:
-            complete(
-                pending.future,
-                error=DeserializationError(
-                    f"the reply to {pending.description or 'a call'} from {pending.dest!r}: {exc}"
-                ),
-            )
-            return
-        if kind == MessageKind.EXCEPTION:
-            complete(pending.future, error=rebuild_exception(value))
-            return
-        try:
-            if pending.on_result is not None:
-                value = pending.on_result(value)
-        except BaseException as exc:  # noqa: BLE001
-            complete(pending.future, error=exc)
-            return
-        complete(pending.future, value)
 
     # -- shutdown -------------------------------------------------------------------------------
 
@@ -761,6 +563,7 @@ class Agent:
         for message_id in list(self._pending):
             self._fail_pending(message_id, error)
         self._transport.close(linger=1.0 if self.dynamic else 0.0)
+        self.shared.close()
         self._rendezvous.close()
         for hook in self._close_hooks:
             hook(graceful)

@@ -116,6 +116,7 @@ class LivenessMonitor:
         """Fail every call waiting on ``rank``; later sends to it fail at once."""
         _log.warning("%s: %s", self._agent.name, reason)
         self.dead_peers[rank] = reason
+        self._agent.shared.peer_gone(rank)
         for message_id, pending in list(self._agent._pending.items()):
             if pending.dest.id == rank:
                 self._agent._fail_pending(

@@ -58,6 +58,10 @@ class ZmqRpcBackendOptions:
         security: ``"plain"`` (authenticated, the default), ``"curve"``
             (authenticated and encrypted) or ``"none"``; the default comes from
             ``ACTORRPC_SECURITY`` when it is set.
+        shared_memory_threshold: buffers (tensor data) of at least this many
+            bytes going to a worker on the same host travel through pooled
+            POSIX shared memory instead of the socket; ``0`` turns that off.
+            The default comes from ``ACTORRPC_SHM_THRESHOLD`` when it is set.
         strict_rref_leaks: make a graceful ``shutdown`` raise when RRefs leak
             (by default leaks are logged as warnings).
         device_maps, devices: accepted for torch compatibility; CPU only.
@@ -80,6 +84,9 @@ class ZmqRpcBackendOptions:
     advertise_host: str | None = None
     secret: str | None = None
     security: str = field(default_factory=lambda: os.environ.get("ACTORRPC_SECURITY", "plain"))
+    shared_memory_threshold: int = field(
+        default_factory=lambda: int(os.environ.get("ACTORRPC_SHM_THRESHOLD", str(4 << 20)))
+    )
     strict_rref_leaks: bool = False
     device_maps: dict[str, Any] = field(default_factory=dict)
     devices: list[Any] = field(default_factory=list)

@@ -86,6 +86,8 @@ class WorkerPool:
             except BaseException:  # noqa: BLE001 - a task must never kill its thread
                 _log.exception("unhandled error in a pool task")
             finally:
+                # an idle thread must not keep its last request (and the tensors in it) alive
+                task = fn = args = None  # type: ignore[assignment]
                 with self._lock:
                     self._idle += 1
                     self.busy -= 1

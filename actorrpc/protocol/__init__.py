@@ -4,6 +4,7 @@ See :mod:`actorrpc.protocol._wire` for the specification.
 """
 
 from ._wire import (
+    FLAG_SHARED_MEMORY,
     HEADER_SIZE,
     MAGIC,
     PROTOCOL_VERSION,
@@ -15,6 +16,7 @@ from ._wire import (
 )
 
 __all__ = [
+    "FLAG_SHARED_MEMORY",
     "HEADER_SIZE",
     "MAGIC",
     "PROTOCOL_VERSION",

@@ -27,7 +27,7 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
     0      2    magic       b"AR"
     2      1    version     PROTOCOL_VERSION (1)
     3      1    kind        a :class:`MessageKind`
-    4      2    flags       reserved, 0
+    4      2    flags       bit 0: FLAG_SHARED_MEMORY (see below); others 0
     6      2    nbuffers    number of buffer frames after the payload
     8      4    sender      rank of the sending worker
     12     8    message id  unique per sender; a response echoes its request's id
@@ -55,12 +55,24 @@ AUTOGRAD_CLEANUP          10  ``(context_id,)``
 PING                      11  ``()`` application-level liveness check
 BARRIER                   12  ``(name, rank)``
 MEMBERSHIP                13  UTF-8 JSON, never pickled (dynamic groups, see below)
+SHM_RELEASE               14  ``[segment name, ...]`` the receiver is done with
 ========================  ==  ============================================================
 
 ``meta`` is a dict of call metadata contributed by registered call hooks (for
 example the distributed autograd context id). Higher layers register handlers
 for their kinds with the agent's dispatcher; the dispatcher itself knows none
 of them.
+
+Shared memory
+-------------
+Between workers on one host, a large buffer may travel in a POSIX
+shared-memory segment lent by the sender instead of through the socket. Then
+the header has ``FLAG_SHARED_MEMORY`` set, that buffer's frame holds a
+descriptor (``!Q`` byte count, then the segment name ``actorrpc-<hex>``) and
+one more frame follows the buffers: the indexes of the descriptor frames among
+the buffers, as big-endian unsigned 16-bit integers. When nothing uses the
+mapping any more, the receiver sends ``SHM_RELEASE`` with the segment names to
+the sender, which may then reuse them.
 
 Membership messages
 -------------------
@@ -96,6 +108,7 @@ from typing import NamedTuple
 from ..errors import ProtocolError
 
 __all__ = [
+    "FLAG_SHARED_MEMORY",
     "HEADER_SIZE",
     "MAGIC",
     "PROTOCOL_VERSION",
@@ -111,6 +124,8 @@ PROTOCOL_VERSION = 1
 _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535
+FLAG_SHARED_MEMORY = 1
+_KNOWN_FLAGS = FLAG_SHARED_MEMORY
 
 
 class MessageKind(enum.IntEnum):
@@ -129,6 +144,7 @@ class MessageKind(enum.IntEnum):
     PING = 11
     BARRIER = 12
     MEMBERSHIP = 13
+    SHM_RELEASE = 14
 
 
 RESPONSE_KINDS = frozenset({MessageKind.RESPONSE, MessageKind.EXCEPTION})
@@ -142,20 +158,23 @@ class Header(NamedTuple):
     nbuffers: int
     sender: int
     message_id: int
+    flags: int = 0
 
 
-def encode_header(kind: MessageKind, nbuffers: int, sender: int, message_id: int) -> bytes:
+def encode_header(
+    kind: MessageKind, nbuffers: int, sender: int, message_id: int, flags: int = 0
+) -> bytes:
     """Pack a header; ``nbuffers`` must fit in 16 bits."""
     if nbuffers > _MAX_BUFFERS:
         raise ProtocolError(f"a message may carry at most {_MAX_BUFFERS} buffers, got {nbuffers}")
-    return _HEADER.pack(MAGIC, PROTOCOL_VERSION, int(kind), 0, nbuffers, sender, message_id)
+    return _HEADER.pack(MAGIC, PROTOCOL_VERSION, int(kind), flags, nbuffers, sender, message_id)
 
 
 def decode_header(frame: bytes | memoryview) -> Header:
     """Unpack and validate a header frame, raising :class:`ProtocolError` if malformed."""
     if len(frame) != HEADER_SIZE:
         raise ProtocolError(f"header frame has {len(frame)} bytes, expected {HEADER_SIZE}")
-    magic, version, kind, _flags, nbuffers, sender, message_id = _HEADER.unpack(frame)
+    magic, version, kind, flags, nbuffers, sender, message_id = _HEADER.unpack(frame)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != PROTOCOL_VERSION:
@@ -164,4 +183,6 @@ def decode_header(frame: bytes | memoryview) -> Header:
         )
     if kind not in _KNOWN_KINDS:
         raise ProtocolError(f"unknown message kind {kind}")
-    return Header(MessageKind(kind), nbuffers, sender, message_id)
+    if flags & ~_KNOWN_FLAGS:
+        raise ProtocolError(f"unknown header flags {flags:#06x}")
+    return Header(MessageKind(kind), nbuffers, sender, message_id, flags)

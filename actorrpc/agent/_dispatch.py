@@ -1,0 +1,286 @@
+"""The receiving half of the agent: dispatch of incoming messages, serving, replies.
+
+:class:`MessageDispatcher` is a base class of :class:`~actorrpc.agent._agent.Agent`;
+it owns no state of its own (the attributes below are the agent's) and runs on
+the I/O thread (:meth:`_on_message`, :meth:`_on_response`, inline handlers) and
+on pool threads (:meth:`_serve`).
+
+Invariants:
+
+* A message whose sender is not a member with the identity it connected with is
+  dropped before anything in it is unpickled.
+* Every request is answered exactly once: RESPONSE with the handler's result or
+  EXCEPTION with the error (including errors while unpickling or replying).
+* A reply settles the pending call it answers once; a late reply is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import DeserializationError, PeerUnreachableError, ProtocolError
+from ..protocol import RESPONSE_KINDS, Header, MessageKind, decode_header
+from ..serialization import dumps, loads, pickling_for, unpickling_from
+from ._calls import (
+    CallHook,
+    CallRecord,
+    Failure,
+    HandlerEntry,
+    IncomingRequest,
+    PendingCall,
+    outcome_of,
+    run_user_function,
+)
+from ._futures import complete
+from ._remote_exception import pack_exception, rebuild_exception
+from ._worker_info import WorkerInfo
+
+if TYPE_CHECKING:
+    from ._liveness import LivenessMonitor
+    from ._observe import Tracer, WorkerStats
+    from ._pool import WorkerPool
+    from ._rendezvous import GroupMember
+    from ._shared_buffers import SharedBuffers
+
+__all__ = ["MessageDispatcher"]
+
+_log = logging.getLogger("actorrpc.agent")
+_WARN_INTERVAL = 5.0
+
+
+class MessageDispatcher:
+    """Incoming messages: requests to handlers (inline or on the pool), replies to futures."""
+
+    name: str
+    rank: int
+    info: WorkerInfo
+    liveness: LivenessMonitor
+    stats: WorkerStats
+    tracer: Tracer
+    _handlers: dict[MessageKind, HandlerEntry]
+    _hooks: list[CallHook]
+    _pending: dict[int, PendingCall]
+    _members: dict[int, GroupMember]
+    _infos: dict[int, WorkerInfo]
+    _inflight: int
+    _inflight_lock: threading.Lock
+    _pool: WorkerPool
+    _last_warning: float
+    _suppressed_warnings: int
+    shared: SharedBuffers
+
+    def _send(
+        self, dest_rank: int, kind: MessageKind, message_id: int, body: bytes, buffers: list[Any]
+    ) -> None:
+        raise NotImplementedError
+
+    def _take_pending(self, message_id: int) -> PendingCall | None:
+        raise NotImplementedError
+
+    def _on_membership(self, identity: bytes, header: Header, frames: list[Any]) -> None:
+        raise NotImplementedError
+
+    def serve(
+        self,
+        sender: WorkerInfo,
+        meta: dict[str, Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        run: Callable[[CallRecord], Any],
+    ) -> Any:
+        """Run ``run(call)`` inside every hook's ``serving`` scope; return the call's result."""
+        record = CallRecord(sender, meta, args, kwargs)
+        if not self._hooks:
+            return run(record)
+        with ExitStack() as stack:
+            for hook in self._hooks:
+                stack.enter_context(hook.serving(record))
+            record.result = run(record)
+        return record.result
+
+    # -- replying -----------------------------------------------------------------------------
+
+    def _reply(self, sender: int, message_id: int, value: Any) -> None:
+        try:
+            with pickling_for(sender):
+                body, buffers = dumps(value, "result")
+            self._send(sender, MessageKind.RESPONSE, message_id, body, buffers)
+        except PeerUnreachableError:
+            _log.warning("%s: cannot reply to worker %s: it is unreachable", self.name, sender)
+        except BaseException as exc:  # noqa: BLE001 - the error goes to the caller instead
+            self._reply_exception(sender, message_id, exc)
+
+    def _reply_exception(self, sender: int, message_id: int, exc: BaseException) -> None:
+        info = pack_exception(exc, repr(self.info))
+        try:
+            body, buffers = dumps(info, "exception")
+            self._send(sender, MessageKind.EXCEPTION, message_id, body, buffers)
+        except BaseException:  # noqa: BLE001 - last resort: nothing else can be done
+            _log.exception("%s: cannot send an error reply to worker %s", self.name, sender)
+
+    def _finish_request(self, sender: int, message_id: int, outcome: Any) -> None:
+        try:
+            if isinstance(outcome, torch._C.Future):
+                outcome.add_done_callback(
+                    lambda fut: self._finish_request(sender, message_id, outcome_of(fut))
+                )
+                return
+            if isinstance(outcome, Failure):
+                self._reply_exception(sender, message_id, outcome.error)
+            else:
+                self._reply(sender, message_id, outcome)
+        except BaseException as exc:  # noqa: BLE001
+            self._reply_exception(sender, message_id, exc)
+        with self._inflight_lock:
+            self._inflight -= 1
+
+    # -- serving ------------------------------------------------------------------------------
+
+    def _serve(
+        self,
+        kind: MessageKind,
+        sender: WorkerInfo,
+        message_id: int,
+        parts: list[Any],
+        entry: HandlerEntry,
+    ) -> None:
+        started = time.time()
+        payload: Any = None
+        try:
+            with unpickling_from(sender.id) as source:
+                payload = loads(parts[0], parts[1:])
+            for waiter in source.pending:
+                waiter.wait()
+            outcome = entry.handler(IncomingRequest(kind, sender, message_id, payload))
+        except BaseException as exc:  # noqa: BLE001 - every failure is answered
+            outcome = Failure(exc)
+        self._finish_request(sender.id, message_id, outcome)
+        if self.tracer.enabled:
+            what = kind.name
+            if kind in (MessageKind.CALL, MessageKind.REMOTE_CALL) and payload is not None:
+                what = getattr(payload[0], "__qualname__", None) or repr(payload[0])
+            nbytes = sum(memoryview(p).nbytes for p in parts)
+            outcome_name = "error" if isinstance(outcome, Failure) else "ok"
+            self.tracer.served(sender.id, message_id, what, nbytes, started, outcome_name)
+
+    def _handle_call(self, request: IncomingRequest) -> Any:
+        func, args, kwargs, meta = request.payload[:4]
+        return self.serve(
+            request.sender,
+            meta,
+            args,
+            kwargs,
+            lambda call: run_user_function(func, call.args, call.kwargs),
+        )
+
+    def warn(self, what: str) -> None:
+        """Log a warning about a peer's message, at most one per interval."""
+        now = time.monotonic()
+        if now - self._last_warning < _WARN_INTERVAL:
+            self._suppressed_warnings += 1
+            return
+        count = self._suppressed_warnings
+        extra = f" ({count} similar suppressed)" if count else ""
+        self._last_warning = now
+        self._suppressed_warnings = 0
+        _log.warning("%s: %s%s", self.name, what, extra)
+
+    def _on_message(self, message: list[Any]) -> None:
+        if len(message) < 3:
+            self.warn(f"dropped a message of {len(message)} frames (need at least 3)")
+            return
+        identity = message[0].bytes
+        try:
+            header = decode_header(message[1].buffer)
+        except ProtocolError as exc:
+            self.warn(f"dropped a malformed message: {exc}")
+            return
+        if header.kind == MessageKind.MEMBERSHIP:
+            self._on_membership(identity, header, message[2:])
+            return
+        member = self._members.get(header.sender)
+        if member is None or member.identity != identity:
+            self.warn(f"dropped a message claiming to be rank {header.sender}: unknown sender")
+            return
+        self.liveness.heard_from(header.sender, member.name)
+        self.stats.bytes_in[header.sender] += sum(len(f) for f in message[2:])
+        is_response = header.kind in RESPONSE_KINDS
+        try:
+            parts = self.shared.incoming(header, message[2:])
+        except ProtocolError as error:
+            pending = self._pending.get(header.message_id)
+            if is_response and pending is not None and pending.dest.id == header.sender:
+                self._fail_pending(header.message_id, error)
+            elif is_response:
+                self.warn(f"dropped a malformed reply from rank {header.sender}")
+            else:
+                self._reply_exception(header.sender, header.message_id, error)
+            return
+        if is_response:
+            self._on_response(header.kind, header.sender, header.message_id, parts)
+            return
+        sender = self._infos[header.sender]
+        entry = self._handlers.get(header.kind)
+        if entry is None:
+            self._reply_exception(
+                header.sender,
+                header.message_id,
+                ProtocolError(
+                    f"worker {self.name!r} has no handler for message kind {header.kind.name}"
+                ),
+            )
+            return
+        with self._inflight_lock:
+            self._inflight += 1
+        self.stats.requests_served[header.sender] += 1
+        if entry.inline:
+            self._serve(header.kind, sender, header.message_id, parts, entry)
+        else:
+            self._pool.submit(self._serve, header.kind, sender, header.message_id, parts, entry)
+
+    def _fail_pending(self, message_id: int, error: BaseException) -> None:
+        pending = self._take_pending(message_id)
+        if pending is not None:
+            complete(pending.future, error=error)
+
+    def _on_response(
+        self, kind: MessageKind, sender: int, message_id: int, parts: list[Any]
+    ) -> None:
+        pending = self._pending.get(message_id)
+        if pending is None:
+            return  # a late reply to a call that already timed out
+        if pending.dest.id != sender:
+            self.warn(f"dropped a reply from rank {sender} to a call made to {pending.dest!r}")
+            return
+        self._take_pending(message_id)
+        if self.tracer.enabled:
+            outcome = "error" if kind == MessageKind.EXCEPTION else "ok"
+            self.tracer.call_done(message_id, sum(memoryview(p).nbytes for p in parts), outcome)
+        try:
+            with unpickling_from(sender):
+                value = loads(parts[0], parts[1:])
+        except DeserializationError as exc:
+            complete(
+                pending.future,
+                error=DeserializationError(
+                    f"the reply to {pending.description or 'a call'} from {pending.dest!r}: {exc}"
+                ),
+            )
+            return
+        if kind == MessageKind.EXCEPTION:
+            complete(pending.future, error=rebuild_exception(value))
+            return
+        try:
+            if pending.on_result is not None:
+                value = pending.on_result(value)
+        except BaseException as exc:  # noqa: BLE001
+            complete(pending.future, error=exc)
+            return
+        complete(pending.future, value)

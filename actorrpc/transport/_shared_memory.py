@@ -1,0 +1,209 @@
+"""Shared memory for large buffers between workers on one host.
+
+A buffer of at least the threshold, going to a peer on this host, is copied
+once into a segment of the sender's pool (POSIX shared memory under
+``/dev/shm``, mode 0600, mapped and pre-faulted once and then reused) instead
+of being pushed through the socket; the message carries a small descriptor in
+its place. The receiver maps the segment and builds the tensor on the mapping
+without a copy. When the last tensor using that memory is freed, the receiver
+tells the sender, which puts the segment back in its pool.
+
+Invariants (segment lifetime):
+
+* A segment is *lent* from the moment it is exported until the receiver
+  releases it, and is never written while lent. A segment lent to a peer that
+  left or stopped answering is unlinked and never reused.
+* Released segments go back to the free list of their size class (powers of
+  two); at most :data:`MAX_FREE_BYTES` stay there, the rest are unlinked.
+* The sender unlinks every segment of its pool when it closes, lent or not
+  (mappings a receiver holds stay valid: unlinking removes only the name).
+* A receiver opens only names of the form ``actorrpc-<hex>``, and maps exactly
+  the byte count the descriptor declares, checked against the segment's size.
+
+Descriptor frame: ``!Q`` byte count followed by the ASCII segment name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+import struct
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ProtocolError
+
+__all__ = [
+    "MAX_FREE_BYTES",
+    "SHM_DIRECTORY",
+    "SharedMemoryPool",
+    "map_shared_buffer",
+    "shared_memory_available",
+]
+
+SHM_DIRECTORY = "/dev/shm"
+MAX_FREE_BYTES = 1 << 30
+_NAME = re.compile(r"actorrpc-[0-9a-f]{8,64}")
+_SIZE = struct.Struct("!Q")
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def shared_memory_available() -> bool:
+    return os.path.isdir(SHM_DIRECTORY) and os.access(SHM_DIRECTORY, os.W_OK)
+
+
+def _size_class(nbytes: int) -> int:
+    return 1 << max(0, nbytes - 1).bit_length()
+
+
+@dataclass(eq=False)
+class _Segment:
+    name: str
+    size: int
+    mapping: mmap.mmap
+    borrower: int = -1
+
+
+class SharedMemoryPool:
+    """The segments this worker lends to same-host peers, and their free lists."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[int, list[_Segment]] = {}
+        self._lent: dict[str, _Segment] = {}
+        self._free_bytes = 0
+        self._closed = False
+
+    def _create(self, size: int) -> _Segment:
+        name = "actorrpc-" + secrets.token_hex(12)
+        path = os.path.join(SHM_DIRECTORY, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size, flags=_MAP_FLAGS)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return _Segment(name, size, mapping)
+
+    def export(self, buffer: Any, borrower: int) -> tuple[bytes, str]:
+        """Copy ``buffer`` into a pooled segment lent to ``borrower``; return its descriptor."""
+        view = memoryview(buffer).cast("B")
+        nbytes = view.nbytes
+        size = _size_class(nbytes)
+        with self._lock:
+            if self._closed:
+                raise OSError("the shared-memory pool is closed")
+            free = self._free.get(size)
+            segment = free.pop() if free else None
+            if segment is not None:
+                self._free_bytes -= size
+        if segment is None:
+            segment = self._create(size)
+        try:
+            segment.mapping[:nbytes] = view
+        except BaseException:
+            self._give_back(segment)
+            raise
+        segment.borrower = borrower
+        with self._lock:
+            self._lent[segment.name] = segment
+        return _SIZE.pack(nbytes) + segment.name.encode(), segment.name
+
+    def release(self, names: list[str], borrower: int) -> None:
+        """``borrower`` is done with these segments (names it was not lent are ignored)."""
+        for name in names:
+            with self._lock:
+                segment = self._lent.get(name)
+                if segment is None or segment.borrower != borrower:
+                    continue
+                del self._lent[name]
+            self._give_back(segment)
+
+    def forget_lent_to(self, borrower: int) -> None:
+        """``borrower`` left or stopped answering: unlink what it had, never reuse it.
+
+        Its process may live on with tensors on those mappings (a worker that
+        left, one that only hung), so the segments are dropped, not recycled;
+        the memory goes when its last mapping does.
+        """
+        with self._lock:
+            forgotten = [s for s in self._lent.values() if s.borrower == borrower]
+            for segment in forgotten:
+                del self._lent[segment.name]
+        for segment in forgotten:
+            self._destroy(segment)
+
+    def describe(self) -> dict[str, int]:
+        """Segments lent out and kept free, and their bytes."""
+        with self._lock:
+            return {
+                "segments_lent": len(self._lent),
+                "bytes_lent": sum(s.size for s in self._lent.values()),
+                "segments_free": sum(len(free) for free in self._free.values()),
+                "bytes_free": self._free_bytes,
+            }
+
+    def _give_back(self, segment: _Segment) -> None:
+        segment.borrower = -1
+        with self._lock:
+            if not self._closed and self._free_bytes + segment.size <= MAX_FREE_BYTES:
+                self._free.setdefault(segment.size, []).append(segment)
+                self._free_bytes += segment.size
+                return
+        self._destroy(segment)
+
+    @staticmethod
+    def _destroy(segment: _Segment) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM_DIRECTORY, segment.name))
+        with contextlib.suppress(BufferError, ValueError):
+            segment.mapping.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            segments = [s for free in self._free.values() for s in free]
+            segments += list(self._lent.values())
+            self._free.clear()
+            self._lent.clear()
+            self._free_bytes = 0
+        for segment in segments:
+            self._destroy(segment)
+
+
+def map_shared_buffer(
+    descriptor: bytes | memoryview, on_free: Callable[[str], None]
+) -> np.ndarray[Any, Any]:
+    """Map the segment a descriptor names; ``on_free(name)`` runs once nothing uses it."""
+    raw = bytes(descriptor)
+    if len(raw) <= _SIZE.size:
+        raise ProtocolError("a shared-memory descriptor is too short")
+    (nbytes,) = _SIZE.unpack_from(raw)
+    name = raw[_SIZE.size:].decode("ascii", errors="replace")
+    if not _NAME.fullmatch(name):
+        raise ProtocolError(f"a shared-memory descriptor names {name[:80]!r}, not a segment")
+    try:
+        fd = os.open(os.path.join(SHM_DIRECTORY, name), os.O_RDWR)
+    except FileNotFoundError as exc:
+        raise ProtocolError(f"shared-memory segment {name} is gone (its sender closed)") from exc
+    try:
+        if not 0 < nbytes <= os.fstat(fd).st_size:
+            raise ProtocolError(f"shared-memory segment {name} does not hold {nbytes} bytes")
+        mapping = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS)
+    finally:
+        os.close(fd)
+    array = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
+    weakref.finalize(array, on_free, name)
+    return array

@@ -1,0 +1,230 @@
+"""Same-host shared memory for large tensors: the pool, the mapping, and real calls.
+
+The session group's workers all live on 127.0.0.1, so tensors of at least the
+threshold (4 MiB by default) travel through pooled /dev/shm segments there.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import actorrpc as rpc
+from actorrpc.agent import current_agent
+from actorrpc.errors import ProtocolError
+from actorrpc.transport import SharedMemoryPool, map_shared_buffer
+from actorrpc.transport._shared_memory import MAX_FREE_BYTES, SHM_DIRECTORY
+
+pytestmark = pytest.mark.timeout(60)
+
+BIG = (5 << 20) // 4  # float32 elements in 5 MiB: above the default threshold
+
+
+def _segment_exists(name: str) -> bool:
+    return os.path.exists(os.path.join(SHM_DIRECTORY, name))
+
+
+def _wait_for(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        gc.collect()
+        pause.wait(0.01)
+    return True
+
+
+# --- the pool and the mapping, in one process ------------------------------------------------
+
+
+def test_export_map_release_reuse():
+    pool = SharedMemoryPool()
+    try:
+        data = torch.arange(1 << 18, dtype=torch.float32)
+        buffer = memoryview(data.numpy()).cast("B")
+        descriptor, name = pool.export(buffer, borrower=7)
+        assert _segment_exists(name)
+        assert pool.describe()["segments_lent"] == 1
+        freed: list[str] = []
+        array = map_shared_buffer(descriptor, freed.append)
+        tensor = torch.frombuffer(array, dtype=torch.float32)
+        assert torch.equal(tensor, data)
+        tensor[0] = -1.0  # the receiver owns the memory while it holds it
+        del array
+        assert freed == []  # the tensor still uses the mapping
+        del tensor
+        gc.collect()
+        assert freed == [name]
+        pool.release(freed, borrower=8)  # not lent to 8: ignored
+        assert pool.describe()["segments_lent"] == 1
+        pool.release(freed, borrower=7)
+        assert pool.describe() == {
+            "segments_lent": 0, "bytes_lent": 0, "segments_free": 1, "bytes_free": 1 << 20,
+        }
+        _, again = pool.export(buffer[:1000], borrower=7)
+        assert again != name  # a smaller size class: a new segment
+        _, same = pool.export(buffer, borrower=7)
+        assert same == name  # the released segment of this size class is reused
+    finally:
+        pool.close()
+    assert not _segment_exists(name)
+
+
+def test_segments_of_a_gone_peer_are_dropped_not_reused():
+    pool = SharedMemoryPool()
+    try:
+        descriptor, name = pool.export(b"x" * 4096, borrower=3)
+        array = map_shared_buffer(descriptor, lambda _: None)
+        pool.forget_lent_to(3)
+        assert not _segment_exists(name)
+        assert bytes(array[:4]) == b"xxxx"  # its mapping stays valid
+        assert pool.describe()["segments_free"] == 0
+        _, other = pool.export(b"y" * 4096, borrower=3)
+        assert other != name
+        assert bytes(array[:4]) == b"xxxx"
+    finally:
+        pool.close()
+
+
+def test_free_list_is_bounded():
+    pool = SharedMemoryPool()
+    try:
+        big = bytes(MAX_FREE_BYTES // 2 + 1)
+        names = [pool.export(big, borrower=1)[1] for _ in range(3)]
+        pool.release(names, borrower=1)
+        assert pool.describe()["bytes_free"] <= MAX_FREE_BYTES
+        assert sum(_segment_exists(n) for n in names) == 1
+    finally:
+        pool.close()
+    assert not any(_segment_exists(n) for n in names)
+
+
+@pytest.mark.parametrize(
+    ("descriptor", "match"),
+    [
+        (b"\x00" * 8, "too short"),
+        ((16).to_bytes(8, "big") + b"../../etc/passwd", "not a segment"),
+        ((16).to_bytes(8, "big") + b"actorrpc-00000000deadbeef0000", "is gone"),
+    ],
+)
+def test_bad_descriptors_are_refused(descriptor, match):
+    with pytest.raises(ProtocolError, match=match):
+        map_shared_buffer(descriptor, lambda _: None)
+
+
+def test_descriptor_larger_than_its_segment_is_refused():
+    pool = SharedMemoryPool()
+    try:
+        descriptor, name = pool.export(b"z" * 100, borrower=1)  # a 128-byte segment
+        forged = (1 << 20).to_bytes(8, "big") + name.encode()
+        with pytest.raises(ProtocolError, match="does not hold"):
+            map_shared_buffer(forged, lambda _: None)
+    finally:
+        pool.close()
+
+
+# --- real calls between the session group's processes ----------------------------------------
+
+_kept: list[torch.Tensor] = []
+
+
+def keep(t: torch.Tensor) -> float:
+    _kept.append(t)
+    return float(t.sum())
+
+
+def drop_kept() -> int:
+    count = len(_kept)
+    _kept.clear()
+    gc.collect()
+    return count
+
+
+def scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
+    return t * factor
+
+
+def lent_segments() -> int:
+    gc.collect()
+    return int(current_agent().shared.pool.describe()["segments_lent"])
+
+
+def _all_returned(worker: str) -> bool:
+    """Every segment lent either way is back in its pool (the assertion shows the pools)."""
+    gc.collect()
+    _last_pools[:] = [lent_segments(), rpc.rpc_sync(worker, lent_segments)]
+    return _last_pools == [0, 0]
+
+
+_last_pools: list[int] = []
+
+
+def test_large_tensors_round_trip_through_shared_memory(cluster):
+    data = torch.randn(BIG)
+    result = rpc.rpc_sync("worker1", scaled, args=(data, 2.0))
+    assert torch.equal(result, data * 2.0)
+    echoed = rpc.rpc_sync("worker1", torch.clone, args=(data,))
+    assert torch.equal(echoed, data)
+    echoed.add_(1.0)  # the copy is ours: the original is untouched
+    assert torch.equal(rpc.rpc_sync("worker1", torch.clone, args=(data,)), data)
+    del result, echoed
+    assert _wait_for(lambda: _all_returned("worker1")), f"lent (here, there): {_last_pools}"
+    assert current_agent().shared.pool.describe()["segments_free"] >= 1  # kept for reuse
+
+
+def test_views_dtypes_and_nested_structures(cluster):
+    base = torch.randn(3, BIG // 2)
+    view = base[1:, ::2]  # gappy: only its elements are sent
+    ints = torch.randint(0, 1000, (BIG,), dtype=torch.int64)
+    halves = torch.randn(BIG, dtype=torch.float16)
+    out = rpc.rpc_sync("worker2", tuple, args=([view, {"ints": ints}, halves],))
+    assert torch.equal(out[0], view) and out[0].is_contiguous()
+    assert torch.equal(out[1]["ints"], ints)
+    assert torch.equal(out[2], halves)
+    del out
+    assert _wait_for(lambda: _all_returned("worker2")), f"lent (here, there): {_last_pools}"
+
+
+def test_a_tensor_kept_by_the_callee_stays_valid_until_it_drops_it(cluster):
+    data = torch.randn(BIG)
+    total = rpc.rpc_sync("worker1", keep, args=(data,))
+    assert total == pytest.approx(float(data.sum()), rel=1e-4)
+    # the segment stays lent while worker1 holds the tensor: later sends use other ones
+    for _ in range(3):
+        assert torch.equal(rpc.rpc_sync("worker1", torch.clone, args=(data,)), data)
+    assert lent_segments() >= 1
+    assert rpc.rpc_sync("worker1", drop_kept) == 1
+    assert _wait_for(lambda: _all_returned("worker1")), f"lent (here, there): {_last_pools}"
+
+
+def test_many_large_calls_in_flight(cluster):
+    tensors = [torch.full((BIG,), float(i)) for i in range(8)]
+    futures = [rpc.rpc_async("worker1", scaled, args=(t, 3.0)) for t in tensors]
+    results = torch.futures.wait_all(futures)
+    for i, r in enumerate(results):
+        assert torch.equal(r, torch.full((BIG,), 3.0 * i))
+    del results, futures, r  # r: the loop kept the last one
+    assert _wait_for(lambda: _all_returned("worker1")), f"lent (here, there): {_last_pools}"
+
+
+def test_small_tensors_stay_on_the_socket(cluster):
+    before = current_agent().shared.pool.describe()
+    small = torch.randn(1000)
+    assert torch.equal(rpc.rpc_sync("worker1", torch.clone, args=(small,)), small)
+    after = current_agent().shared.pool.describe()
+    assert after["segments_free"] + after["segments_lent"] == (
+        before["segments_free"] + before["segments_lent"]
+    )
+
+
+def test_worker_stats_show_the_pool(cluster):
+    stats = rpc.get_worker_stats("worker1")
+    assert set(stats["shared_memory"]) == {
+        "segments_lent", "bytes_lent", "segments_free", "bytes_free",
+    }
