@@ -18,7 +18,7 @@ import actorrpc as rpc
 from actorrpc.agent import current_agent
 from actorrpc.errors import ProtocolError
 from actorrpc.transport import SharedMemoryPool, map_shared_buffer
-from actorrpc.transport._shared_memory import MAX_FREE_BYTES, SHM_DIRECTORY
+from actorrpc.transport._shared_memory import MAX_FREE_BYTES, SHM_DIRECTORY, sweep_orphans
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,7 +110,8 @@ def test_free_list_is_bounded():
     [
         (b"\x00" * 8, "too short"),
         ((16).to_bytes(8, "big") + b"../../etc/passwd", "not a segment"),
-        ((16).to_bytes(8, "big") + b"actorrpc-00000000deadbeef0000", "is gone"),
+        ((16).to_bytes(8, "big") + b"actorrpc-1-" + b"0" * 24, "is gone"),
+        ((16).to_bytes(8, "big") + b"actorrpc-00000000deadbeef0000", "not a segment"),
     ],
 )
 def test_bad_descriptors_are_refused(descriptor, match):
@@ -127,6 +128,28 @@ def test_descriptor_larger_than_its_segment_is_refused():
             map_shared_buffer(forged, lambda _: None)
     finally:
         pool.close()
+
+
+def test_segments_of_dead_processes_are_swept():
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    pid = int(dead.stdout)
+    orphan = os.path.join(SHM_DIRECTORY, f"actorrpc-{pid:x}-{'ab' * 12}")
+    mine = os.path.join(SHM_DIRECTORY, f"actorrpc-{os.getpid():x}-{'cd' * 12}")
+    for path in (orphan, mine):
+        with open(path, "wb") as handle:
+            handle.write(b"x")
+    try:
+        assert sweep_orphans() >= 1
+        assert not os.path.exists(orphan)
+        assert os.path.exists(mine)  # a live process keeps its segments
+    finally:
+        for path in (orphan, mine):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 # --- real calls between the session group's processes ----------------------------------------

@@ -17,8 +17,11 @@ Invariants (segment lifetime):
   two); at most :data:`MAX_FREE_BYTES` stay there, the rest are unlinked.
 * The sender unlinks every segment of its pool when it closes, lent or not
   (mappings a receiver holds stay valid: unlinking removes only the name).
-* A receiver opens only names of the form ``actorrpc-<hex>``, and maps exactly
-  the byte count the descriptor declares, checked against the segment's size.
+* A receiver opens only names of the form ``actorrpc-<pid>-<hex>``, and maps
+  exactly the byte count the descriptor declares, checked against the
+  segment's size.
+* Segments of a process that died without closing its pool (its pid, in the
+  name, no longer exists) are unlinked by the next pool created on the host.
 
 Descriptor frame: ``!Q`` byte count followed by the ASCII segment name.
 """
@@ -47,11 +50,12 @@ __all__ = [
     "SharedMemoryPool",
     "map_shared_buffer",
     "shared_memory_available",
+    "sweep_orphans",
 ]
 
 SHM_DIRECTORY = "/dev/shm"
 MAX_FREE_BYTES = 1 << 30
-_NAME = re.compile(r"actorrpc-[0-9a-f]{8,64}")
+_NAME = re.compile(r"actorrpc-([0-9a-f]{1,8})-[0-9a-f]{24}")
 _SIZE = struct.Struct("!Q")
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
@@ -76,6 +80,7 @@ class SharedMemoryPool:
     """The segments this worker lends to same-host peers, and their free lists."""
 
     def __init__(self) -> None:
+        sweep_orphans()
         self._lock = threading.Lock()
         self._free: dict[int, list[_Segment]] = {}
         self._lent: dict[str, _Segment] = {}
@@ -83,7 +88,7 @@ class SharedMemoryPool:
         self._closed = False
 
     def _create(self, size: int) -> _Segment:
-        name = "actorrpc-" + secrets.token_hex(12)
+        name = f"actorrpc-{os.getpid():x}-{secrets.token_hex(12)}"
         path = os.path.join(SHM_DIRECTORY, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -181,6 +186,30 @@ class SharedMemoryPool:
             self._free_bytes = 0
         for segment in segments:
             self._destroy(segment)
+
+
+def sweep_orphans() -> int:
+    """Unlink the segments of processes that no longer exist; return how many."""
+    try:
+        names = os.listdir(SHM_DIRECTORY)
+    except OSError:
+        return 0
+    swept = 0
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1), 16), 0)
+            continue  # alive (or a reused pid: left alone)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM_DIRECTORY, name))
+            swept += 1
+    return swept
 
 
 def map_shared_buffer(
