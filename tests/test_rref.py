@@ -1173,3 +1173,20 @@ if __name__ == "__main__":
 
 
 
+
+
+def test_user_deletes_are_notifications_and_still_reach_the_owner(cluster):
+    """A user's delete is one message (no reply to wait for), and the owner applies it."""
+    from actorrpc.agent import current_agent
+
+    agent = current_agent()
+    before = rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"]
+    rrefs = [rpc.remote("worker1", torch.add, args=(torch.ones(1), i)) for i in range(20)]
+    assert [r.to_here().item() for r in rrefs] == [float(i + 1) for i in range(20)]
+    del rrefs
+    pending = [p.description for p in list(agent._pending.values())]
+    assert not any("delete" in d for d in pending), pending
+    deadline = time.monotonic() + WAIT
+    while rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"] > before:
+        assert time.monotonic() < deadline, "the owner never applied the deletes"
+        threading.Event().wait(0.01)

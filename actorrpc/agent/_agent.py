@@ -354,6 +354,17 @@ class Agent(MessageDispatcher):
             self.tracer.call_sent(message_id, dest.id, description or kind.name, nbytes)
         return future
 
+    def notify(self, dest: WorkerInfo, kind: MessageKind, payload: Any) -> None:
+        """Send a notification: a request with message id 0, which is never answered.
+
+        For control messages whose answer nobody waits for (an RRef user's
+        delete, a shared-memory release): one message instead of two.
+        """
+        with pickling_for(dest.id):
+            body, buffers = dumps(payload, "arguments")
+        self._send(dest.id, kind, 0, body, buffers)
+        self.stats.calls_sent[dest.id] += 1
+
     def _take_credit(
         self, dest: WorkerInfo, kind: MessageKind, timeout: float
     ) -> threading.BoundedSemaphore | None:
@@ -555,6 +566,12 @@ class Agent(MessageDispatcher):
         self._transport.wake()
         if self._io_thread is not None and self._io_thread is not threading.current_thread():
             self._io_thread.join(5.0)
+        while not self._soon.empty():  # queued I/O work (deletes, releases) still goes out
+            fn, args = self._soon.get_nowait()
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - best effort while closing
+                _log.debug("%s: queued work failed while closing", self.name, exc_info=True)
         self._pool.close()
 
     def _close(self, graceful: bool) -> None:

@@ -126,6 +126,12 @@ class MessageDispatcher:
             _log.exception("%s: cannot send an error reply to worker %s", self.name, sender)
 
     def _finish_request(self, sender: int, message_id: int, outcome: Any) -> None:
+        if message_id == 0:  # a notification: never answered
+            if isinstance(outcome, Failure):
+                self.warn(f"a notification from worker {sender} failed: {outcome.error!r}")
+            with self._inflight_lock:
+                self._inflight -= 1
+            return
         try:
             if isinstance(outcome, torch._C.Future):
                 outcome.add_done_callback(

@@ -121,8 +121,7 @@ class SharedBuffers:
             if info is None:
                 continue  # it left: its pool is gone
             try:
-                agent.send_request(info, MessageKind.SHM_RELEASE, names,
-                                   description="shared-memory release")
+                agent.notify(info, MessageKind.SHM_RELEASE, names)
             except Exception as exc:  # noqa: BLE001 - the owner is gone or we are closing
                 agent.warn(f"cannot release shared memory of worker {owner}: {exc}")
 

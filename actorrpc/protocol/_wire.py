@@ -36,7 +36,10 @@ Message kinds
 -------------
 Every kind except ``RESPONSE`` and ``EXCEPTION`` is a *request* and is answered
 by exactly one ``RESPONSE`` (payload: the result) or ``EXCEPTION`` (payload: a
-``RemoteExceptionInfo`` tuple) carrying the same message id. Payloads are
+``RemoteExceptionInfo`` tuple) carrying the same message id, except a request
+with message id 0: that is a *notification* and is never answered
+(``RREF_USER_DELETE`` and ``SHM_RELEASE`` are sent as notifications, and the
+last ``MEMBERSHIP`` message of a leaving worker). Payloads are
 pickled tuples:
 
 ========================  ==  ============================================================

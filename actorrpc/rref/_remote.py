@@ -342,10 +342,8 @@ def _handle_user_delete(agent: Agent, request: IncomingRequest) -> None:
 
 def _send_user_delete(agent: Agent, owner: int, rref_id: Any, fork_id: Any) -> None:
     try:
-        agent.send_request(
-            agent.resolve(owner), MessageKind.RREF_USER_DELETE, (rref_id, fork_id),
-            description="RRef user delete",
-        )
+        # a notification: the owner's tables are all that change, nobody waits
+        agent.notify(agent.resolve(owner), MessageKind.RREF_USER_DELETE, (rref_id, fork_id))
     except Exception as exc:  # noqa: BLE001 - the owner is gone or we are closing
         _log.warning("cannot tell worker %s that fork %s was deleted: %s", owner, fork_id, exc)
 
