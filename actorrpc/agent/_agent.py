@@ -452,6 +452,12 @@ class Agent(MessageDispatcher):
         buffers: list[Any],
     ) -> None:
         """Put one message on the link to ``member`` (whether or not it is in the table)."""
+        if not buffers:  # the common case: nothing that could go through shared memory
+            self._transport.link(member.identity, member.endpoint).send(
+                [encode_header(kind, 0, self.rank, message_id), body]
+            )
+            self.stats.bytes_out[member.rank] += len(body)
+            return
         frames, flags, lent = self.shared.outgoing(member, body, buffers)
         header = encode_header(kind, len(buffers), self.rank, message_id, flags)
         try:
