@@ -811,13 +811,10 @@ def test_actor_freed_after_its_methods_raised() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    reason="agent/_calls.py outcome_of(): re-raising a failed future's stored exception puts "
-    "outcome_of's frame (holding the future) in its traceback: a cycle through the C++ future "
-    "gc cannot free, which also keeps every caller frame (f_back) and the request payload, "
-    "here the actor's RRef", strict=True,
-)
 def test_actor_freed_after_a_queued_method_raised() -> None:
+    # Regression: the failure was stored in a future from inside the except block, so a
+    # callback re-raising it chained the original error (and the method's frames, which
+    # hold the actor) as __context__: a cycle through the C++ future gc cannot free.
     key = "queued-failing-actor"
     rref = rpc.remote("worker1", Failing, args=(key,))
     first = rref.rpc_async(timeout=WAIT).wait_then(key)

@@ -93,13 +93,17 @@ class Failure:
 def outcome_of(future: torch.futures.Future) -> Any:
     """The value of a completed future, or a :class:`Failure` holding a copy of its error.
 
-    The copy matters: re-raising the stored error would attach this frame (which
-    holds the future) to it, a cycle through the C++ future that gc cannot break.
+    Re-raising the stored error attaches this frame, and through ``f_back`` its
+    callers' frames (which may hold the future), to the error's traceback: a cycle
+    through the C++ future that gc cannot break, keeping the request (and every
+    object it refers to, such as an actor) alive. So the traceback of the stored
+    error is dropped once it was raised here, and a copy is returned.
     """
     try:
         return future.wait()
     except BaseException as exc:  # noqa: BLE001
         error = copy_error(exc)
+        exc.__traceback__ = None
         del future, exc
         return Failure(error)
 

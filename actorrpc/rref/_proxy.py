@@ -148,13 +148,19 @@ def invoke_method(rref: RRef[Any], name: str, args: Any, kwargs: Any, ticket: An
     raised: list[BaseException] = []
 
     def run() -> None:
+        detached: BaseException | None = None
         try:
             outcome = _call(getattr(rref.local_value(), name), args, kwargs)
         except BaseException as exc:  # noqa: BLE001 - raised below or delivered by the future
             if inline[0] and threading.get_ident() == caller:
                 raised.append(exc)  # ran inside invoke_method, which re-raises it
-            else:  # detached: a traceback would keep the method's frames (and the actor)
-                result.set_exception(detached_exception(exc))
+                return
+            # detached: a traceback would keep the method's frames (and the actor)
+            detached = detached_exception(exc)
+        if detached is not None:
+            # outside the except block: callbacks that re-raise it must not chain the
+            # original (with its frames) as __context__ through the C++ future
+            result.set_exception(detached)
             return
         if isinstance(outcome, torch._C.Future):
             outcome.add_done_callback(lambda f: _forward(f, result))
