@@ -1010,12 +1010,11 @@ def _drop_leaked_forks() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    reason="agent pickles the payload (forking its RRefs) before a send that can still fail, "
-    "and has no abort hook to undo the forks", strict=True,
-)
 def test_unsendable_call_leaves_no_fork() -> None:
+    # Pickling forks the RRefs before it reaches the lock it cannot pickle; the
+    # aborted message undoes those forks (PickleTarget.on_abort).
     rref = rpc.remote("worker1", add, args=(1, 1))
+    assert rref.to_here() == 2  # confirmed: no pending user left from remote() itself
     local = rpc.RRef(1)
     try:
         with pytest.raises(TypeError, match="pickle"):
@@ -1025,6 +1024,18 @@ def test_unsendable_call_leaves_no_fork() -> None:
         ctx = rref_context()
         ctx.pending_children.clear()
         _drop_leaked_forks()
+
+
+def rref_and_lock() -> list[Any]:
+    """A result whose RRef is forked by pickling before the lock fails it."""
+    return [rpc.RRef(5), threading.Lock()]
+
+
+@pytest.mark.timeout(60)
+def test_unsendable_reply_leaves_no_fork() -> None:
+    with pytest.raises(TypeError, match="pickle"):
+        rpc.rpc_sync("worker1", rref_and_lock)
+    wait_tables_empty()
 
 
 @pytest.mark.timeout(60)

@@ -315,9 +315,17 @@ class Agent(MessageDispatcher):
         """
         if not self._running:
             raise ActorRpcError(f"the RPC agent of {self.name!r} is shut down")
-        with pickling_for(dest.id):
-            body, buffers = dumps(payload, _PAYLOAD_FIELDS.get(kind, "arguments"))
-        return self.send_encoded(dest, kind, body, timeout, description, on_result, buffers)
+        with pickling_for(dest.id) as target:
+            try:
+                body, buffers = dumps(payload, _PAYLOAD_FIELDS.get(kind, "arguments"))
+            except BaseException:
+                target.abort()
+                raise
+        try:
+            return self.send_encoded(dest, kind, body, timeout, description, on_result, buffers)
+        except BaseException:
+            target.abort()  # nothing was sent: undo what pickling registered (RRef forks)
+            raise
 
     def send_encoded(
         self,

@@ -108,14 +108,17 @@ class MessageDispatcher:
     # -- replying -----------------------------------------------------------------------------
 
     def _reply(self, sender: int, message_id: int, value: Any) -> None:
+        pickling = pickling_for(sender)
         try:
-            with pickling_for(sender):
+            with pickling:
                 body, buffers = dumps(value, "result")
             self._send(sender, MessageKind.RESPONSE, message_id, body, buffers)
-        except PeerUnreachableError:
-            _log.warning("%s: cannot reply to worker %s: it is unreachable", self.name, sender)
-        except BaseException as exc:  # noqa: BLE001 - the error goes to the caller instead
-            self._reply_exception(sender, message_id, exc)
+        except BaseException as exc:  # noqa: BLE001 - nothing was sent
+            pickling.target.abort()  # undo what pickling registered (RRef forks)
+            if isinstance(exc, PeerUnreachableError):
+                _log.warning("%s: cannot reply to worker %s: it is unreachable", self.name, sender)
+            else:  # the error goes to the caller instead
+                self._reply_exception(sender, message_id, exc)
 
     def _reply_exception(self, sender: int, message_id: int, exc: BaseException) -> None:
         info = pack_exception(exc, repr(self.info))

@@ -421,6 +421,13 @@ class RRefContext:
         self.add_pending_child(fork_id, handle)
         return fork_id, self.rank
 
+    def undo_fork(self, handle: Handle, fork_id: GloballyUniqueId, parent: int | None) -> None:
+        """The message carrying a fork from :meth:`fork_for` was never sent: forget it."""
+        if parent is None:
+            self.delete_fork(handle._rref_id, fork_id)
+        else:
+            self.accept_child(fork_id)
+
     def receive_user(self, handle: Handle, parent: int | None) -> bool:
         """A user handle arrived; ``True`` when RREF_FORK_REQUEST must go to the owner.
 

@@ -302,7 +302,10 @@ def _reduce_rref(rref: RRef[Any]) -> Any:
             "result of an RPC (rpc_sync, rpc_async, remote)"
         )
     rref._check_usable("share")
-    fork_id, parent = rref_context(rref._agent).fork_for(rref, target.worker_id)
+    ctx = rref_context(rref._agent)
+    fork_id, parent = ctx.fork_for(rref, target.worker_id)
+    # the message may never leave (pickling fails further on, or the send does)
+    target.on_abort.append(lambda: ctx.undo_fork(rref, fork_id, parent))
     return _rebuild_rref, (rref._owner, rref._rref_id, fork_id, parent)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import io
+import logging
 import pickle
 import sys
 import threading
@@ -54,10 +55,24 @@ _local = threading.local()
 
 
 class PickleTarget:
-    """Where the bytes being pickled on this thread will go (a worker id)."""
+    """Where the bytes being pickled on this thread will go (a worker id).
+
+    Reducers with side effects (an RRef registers a fork when it is pickled)
+    add an undo to :attr:`on_abort`; whoever pickled calls :meth:`abort` when
+    the bytes will never be sent (pickling failed midway, or the send did).
+    """
 
     def __init__(self, worker_id: int) -> None:
         self.worker_id = worker_id
+        self.on_abort: list[Callable[[], None]] = []
+
+    def abort(self) -> None:
+        undo, self.on_abort = self.on_abort, []
+        for action in reversed(undo):
+            try:
+                action()
+            except Exception:  # noqa: BLE001 - undo what can be undone
+                logging.getLogger("actorrpc.serialization").exception("undo after abort failed")
 
 
 class UnpickleSource:
