@@ -24,9 +24,11 @@ from typing import Any
 import torch
 
 import actorrpc as rpc
+from tests._waiting import wait_until
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _orders: queue.SimpleQueue[str] = queue.SimpleQueue()
+_spawned: list[subprocess.Popen[str]] = []  # killed when the driver ends, however it ends
 _T0 = time.monotonic()
 
 
@@ -65,16 +67,6 @@ def _options(init_method: str, **extra: Any) -> rpc.ZmqRpcBackendOptions:
     return rpc.ZmqRpcBackendOptions(init_method=init_method, init_timeout=60, **extra)
 
 
-def _wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        pause.wait(0.02)
-    return True
-
-
 def _error(call: Callable[[], Any]) -> dict[str, Any] | None:
     try:
         call()
@@ -88,10 +80,12 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for variable in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(variable, None)
-    return subprocess.Popen(
+    process = subprocess.Popen(
         [sys.executable, "-m", "tests._dynamic_group", *args],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True,
     )
+    _spawned.append(process)
+    return process
 
 
 def _result_of(process: subprocess.Popen[str], timeout: float = 60.0) -> dict[str, Any]:
@@ -141,7 +135,7 @@ def driver(init_method: str) -> dict[str, Any]:
     rpc.init_rpc("driver", rpc_backend_options=_options(init_method, dead_peer_timeout=2.0))
     out["alone"] = names()
     members = {name: _spawn("member", name, "--init-method", init_method) for name in ("w0", "w1")}
-    out["all_joined"] = _wait_for(lambda: len(names()) == 3)
+    out["all_joined"] = wait_until(lambda: len(names()) == 3, 60)
     out["driver_sees"] = names()
     out["w0_sees"] = rpc.rpc_sync("w0", names)
     out["w1_sees"] = rpc.rpc_sync("w1", names)
@@ -161,7 +155,7 @@ def driver(init_method: str) -> dict[str, Any]:
     rpc.rpc_sync("w1", order, args=("leave",))
     out["in_flight_result"] = in_flight.wait()
     out["w1"] = _result_of(members.pop("w1"))
-    out["w1_gone"] = _wait_for(lambda: "w1" not in names())
+    out["w1_gone"] = wait_until(lambda: "w1" not in names(), 60)
     out["after_w1"] = names()
     out["call_by_name"] = _error(lambda: rpc.rpc_sync("w1", names))
     out["call_by_info"] = _error(lambda: rpc.rpc_sync(w1_info, names))
@@ -172,13 +166,13 @@ def driver(init_method: str) -> dict[str, Any]:
 
     _log("w2 joins, crashes, and a new w2 takes its name")
     w2 = _spawn("member", "w2", "--init-method", init_method)
-    out["w2_joined"] = _wait_for(lambda: "w2" in names())
+    out["w2_joined"] = wait_until(lambda: "w2" in names(), 60)
     old_rank = rpc.get_worker_info("w2").id
     rpc.rpc_async("w2", order, args=("crash",))
     w2.wait(30)
     out["w2_crash_code"] = w2.returncode
     new_w2 = _spawn("member", "w2", "--init-method", init_method, "--dead-peer-timeout", "1")
-    out["new_w2_joined"] = _wait_for(lambda: "w2" in names() and my_rank_of("w2") != old_rank)
+    out["new_w2_joined"] = wait_until(lambda: "w2" in names() and my_rank_of("w2") != old_rank, 60)
     out["w2_ranks"] = [old_rank, my_rank_of("w2")]
     out["after_new_w2"] = names()
     out["new_w2_answers"] = rpc.rpc_sync("w2", my_rank)
@@ -186,14 +180,14 @@ def driver(init_method: str) -> dict[str, Any]:
     _log("w0 leaves and joins again in one process")
     old_w0 = rpc.get_worker_info("w0").id
     rpc.rpc_sync("w0", order, args=("rejoin",))
-    out["w0_back"] = _wait_for(lambda: "w0" in names() and my_rank_of("w0") != old_w0)
+    out["w0_back"] = wait_until(lambda: "w0" in names() and my_rank_of("w0") != old_w0, 60)
     out["w0_ranks"] = [old_w0, my_rank_of("w0")]
     out["w0_back_calls"] = rpc.rpc_sync("w0", call_peer, args=("w2",))
 
     _log("w0 and w2 leave (w2 not gracefully)")
     rpc.rpc_sync("w2", order, args=("leave_now",))
     out["w2"] = _result_of(new_w2)
-    out["w2_gone"] = _wait_for(lambda: "w2" not in names(), 30)
+    out["w2_gone"] = wait_until(lambda: "w2" not in names(), 30)
     rpc.rpc_sync("w0", order, args=("leave",))
     out["w0"] = _result_of(members.pop("w0"))
     out["at_end"] = names()
@@ -214,7 +208,7 @@ def _status_workers(init_method: str, count: int) -> list[str]:
         seen[:] = sorted(w["worker"] for w in read_status(host, int(port), 5.0))
         return len(seen) >= count
 
-    _wait_for(listed, 15)
+    wait_until(listed, 15)
     return seen
 
 
@@ -233,7 +227,12 @@ def main() -> None:
     parser.add_argument("--dead-peer-timeout", type=float, default=2.0)
     args = parser.parse_args()
     if args.role == "driver":
-        result = driver(args.init_method)
+        try:
+            result = driver(args.init_method)
+        finally:
+            for process in _spawned:
+                if process.poll() is None:
+                    process.kill()
     elif args.role == "clash":
         result = clash(args.init_method)
     else:

@@ -32,6 +32,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from tests._waiting import wait_until
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # --- functions called over RPC ---------------------------------------------------------------
@@ -105,16 +107,6 @@ def _timed(call: Callable[[], Any]) -> tuple[Any, float]:
     return value, time.monotonic() - start
 
 
-def _wait_for(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        pause.wait(0.01)
-    return True
-
-
 def _watch_parent(parent: int) -> None:
     pause = threading.Event()
     while True:
@@ -142,7 +134,7 @@ def scenario_lifecycle(rank: int, world_size: int, init_method: str) -> dict[str
             handle.write("1")
 
     def wait_signal(name: str, timeout: float = 60) -> bool:
-        return _wait_for(lambda: os.path.exists(os.path.join(signal_dir, name)), timeout)
+        return wait_until(lambda: os.path.exists(os.path.join(signal_dir, name)), timeout)
 
     out: dict[str, Any] = {}
 
@@ -219,7 +211,7 @@ def scenario_lifecycle(rank: int, world_size: int, init_method: str) -> dict[str
             real_close = rendezvous.close
 
             def close_when_worker1_is_back() -> None:
-                out["race_worker1_reached_old_store"] = _wait_for(
+                out["race_worker1_reached_old_store"] = wait_until(
                     lambda: int(held[0].add("actorrpc/inits", 0)) >= 3, 15
                 )
                 held.clear()  # keep no reference: the store lives as long as actorrpc keeps it
@@ -314,7 +306,7 @@ def scenario_failures(rank: int, world_size: int, init_method: str) -> dict[str,
     ]
 
     def drop_store_once_rank1_joined() -> None:
-        out["lost_store_rank1_connected"] = _wait_for(
+        out["lost_store_rank1_connected"] = wait_until(
             lambda: holder[0].check(["actorrpc/inits"]), 10
         )
         holder.clear()  # the last reference: the server stops

@@ -56,6 +56,7 @@ import torch
 import zmq
 
 import actorrpc as rpc
+from tests._waiting import wait_for
 from actorrpc.agent import current_agent
 from actorrpc.protocol import MessageKind
 from actorrpc.serialization import dumps
@@ -128,19 +129,6 @@ def waiting_call_state():
 
 
 # -- helpers ----------------------------------------------------------------------------
-
-def wait_for(condition, timeout, what):
-    deadline = time.monotonic() + timeout
-    interval = 0.005
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up after {timeout}s waiting for: {what}")
-        time.sleep(interval)
-        interval = min(interval * 2, 0.1)
-
 
 def outcome(fn):
     t0 = time.monotonic()

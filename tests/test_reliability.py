@@ -50,6 +50,7 @@ import torch
 import zmq
 
 import actorrpc as rpc
+from tests._waiting import wait_for
 from actorrpc.agent import current_agent
 from actorrpc.protocol import MessageKind, encode_header
 from actorrpc.serialization import dumps
@@ -152,20 +153,6 @@ def outcome(fn, t0=None):
         result = err(exc)
     result["elapsed"] = time.monotonic() - t0
     return result
-
-
-def wait_for(condition, timeout, what):
-    """Poll ``condition`` (growing interval) until it is truthy; TimeoutError at the deadline."""
-    deadline = time.monotonic() + timeout
-    interval = 0.005
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up after {timeout}s waiting for: {what}")
-        time.sleep(interval)
-        interval = min(interval * 2, 0.1)
 
 
 class Background:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
-import time
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from actorrpc.agent import current_agent
 from actorrpc.errors import ProtocolError
 from actorrpc.transport import SharedMemoryPool, map_shared_buffer
 from actorrpc.transport._shared_memory import MAX_FREE_BYTES, SHM_DIRECTORY, sweep_orphans
+from tests._waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,17 +26,6 @@ BIG = (5 << 20) // 4  # float32 elements in 5 MiB: above the default threshold
 
 def _segment_exists(name: str) -> bool:
     return os.path.exists(os.path.join(SHM_DIRECTORY, name))
-
-
-def _wait_for(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        gc.collect()
-        pause.wait(0.01)
-    return True
 
 
 # --- the pool and the mapping, in one process ------------------------------------------------
@@ -197,7 +185,7 @@ def test_large_tensors_round_trip_through_shared_memory(cluster):
     echoed.add_(1.0)  # the copy is ours: the original is untouched
     assert torch.equal(rpc.rpc_sync("worker1", torch.clone, args=(data,)), data)
     del result, echoed
-    assert _wait_for(lambda: _all_returned("worker1")), f"lent (here, there): {_last_pools}"
+    assert wait_until(lambda: _all_returned("worker1"), 10), f"lent (here, there): {_last_pools}"
     assert current_agent().shared.pool.describe()["segments_free"] >= 1  # kept for reuse
 
 
@@ -211,7 +199,7 @@ def test_views_dtypes_and_nested_structures(cluster):
     assert torch.equal(out[1]["ints"], ints)
     assert torch.equal(out[2], halves)
     del out
-    assert _wait_for(lambda: _all_returned("worker2")), f"lent (here, there): {_last_pools}"
+    assert wait_until(lambda: _all_returned("worker2"), 10), f"lent (here, there): {_last_pools}"
 
 
 def test_a_tensor_kept_by_the_callee_stays_valid_until_it_drops_it(cluster):
@@ -223,7 +211,7 @@ def test_a_tensor_kept_by_the_callee_stays_valid_until_it_drops_it(cluster):
         assert torch.equal(rpc.rpc_sync("worker1", torch.clone, args=(data,)), data)
     assert lent_segments() >= 1
     assert rpc.rpc_sync("worker1", drop_kept) == 1
-    assert _wait_for(lambda: _all_returned("worker1")), f"lent (here, there): {_last_pools}"
+    assert wait_until(lambda: _all_returned("worker1"), 10), f"lent (here, there): {_last_pools}"
 
 
 def test_many_large_calls_in_flight(cluster):
@@ -233,7 +221,7 @@ def test_many_large_calls_in_flight(cluster):
     for i, r in enumerate(results):
         assert torch.equal(r, torch.full((BIG,), 3.0 * i))
     del results, futures, r  # r: the loop kept the last one
-    assert _wait_for(lambda: _all_returned("worker1")), f"lent (here, there): {_last_pools}"
+    assert wait_until(lambda: _all_returned("worker1"), 10), f"lent (here, there): {_last_pools}"
 
 
 def test_small_tensors_stay_on_the_socket(cluster):
