@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+
+import actorrpc as rpc
 
 
 def example_arguments(doc: str, steps: int, lr: float) -> argparse.ArgumentParser:
@@ -16,6 +19,17 @@ def example_arguments(doc: str, steps: int, lr: float) -> argparse.ArgumentParse
     parser.add_argument("--lr", type=float, default=lr)
     parser.add_argument("--check", action="store_true", help="compare with a one-process run")
     return parser
+
+
+def init_parameter_server_group(
+    parser: argparse.ArgumentParser, min_world: int = 2
+) -> tuple[int, int]:
+    """Join the launcher's group (RANK, WORLD_SIZE): rank 0 is ``ps``, others ``trainer<rank>``."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world < min_world:
+        parser.error("needs a parameter server and at least one trainer (--nproc-per-node 2)")
+    rpc.init_rpc("ps" if rank == 0 else f"trainer{rank}", rank=rank, world_size=world)
+    return rank, world
 
 
 def report_losses(name: str, losses: list[float]) -> None:

@@ -22,7 +22,6 @@ step's loss matches within 1e-5.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 
@@ -32,7 +31,13 @@ from torch import nn
 
 import actorrpc as rpc
 
-from _common import check_losses, example_arguments, report_losses, train_in_one_process
+from _common import (
+    check_losses,
+    example_arguments,
+    init_parameter_server_group,
+    report_losses,
+    train_in_one_process,
+)
 
 FEATURES, HIDDEN, CLASSES = 20, 32, 3
 
@@ -134,11 +139,8 @@ def train_locally(trainer: int, steps: int, lr: float) -> list[float]:
 def main() -> int:
     parser = example_arguments(__doc__ or "", steps=30, lr=0.1)
     args = parser.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world < 2:
-        parser.error("needs a parameter server and at least one trainer (--nproc-per-node 2)")
-    name = "ps" if rank == 0 else f"trainer{rank}"
-    rpc.init_rpc(name, rank=rank, world_size=world)
+    rank, world = init_parameter_server_group(parser)
+    name = rpc.get_worker_info().name
     status = 0
     if rank == 0:
         trainers = [f"trainer{r}" for r in range(1, world)]

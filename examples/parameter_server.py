@@ -14,7 +14,6 @@ data in one process and checks that every step's loss matches within 1e-5.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 
@@ -27,7 +26,13 @@ import actorrpc.autograd as dist_autograd
 from actorrpc.nn import RemoteModule
 from actorrpc.optim import DistributedOptimizer
 
-from _common import check_losses, example_arguments, report_losses, train_in_one_process
+from _common import (
+    check_losses,
+    example_arguments,
+    init_parameter_server_group,
+    report_losses,
+    train_in_one_process,
+)
 
 FEATURES, HIDDEN, CLASSES = 20, 32, 3
 _model_lock = threading.Lock()
@@ -107,10 +112,10 @@ def train_locally(trainer: int, steps: int, lr: float) -> list[float]:
 
 
 def main() -> int:
-    args = example_arguments(__doc__ or "", steps=30, lr=0.3).parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    name = "ps" if rank == 0 else f"trainer{rank}"
-    rpc.init_rpc(name, rank=rank, world_size=world)
+    parser = example_arguments(__doc__ or "", steps=30, lr=0.3)
+    args = parser.parse_args()
+    rank, world = init_parameter_server_group(parser, min_world=1)
+    name = rpc.get_worker_info().name
     status = 0
     if rank != 0:
         losses = train(rank, args.steps, args.lr)

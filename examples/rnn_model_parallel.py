@@ -20,7 +20,6 @@ one process and checks that every step's loss matches within 1e-5.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -32,7 +31,12 @@ import actorrpc.autograd as dist_autograd
 from actorrpc.nn import RemoteModule
 from actorrpc.optim import DistributedOptimizer
 
-from _common import check_losses, example_arguments, report_losses
+from _common import (
+    check_losses,
+    example_arguments,
+    init_parameter_server_group,
+    report_losses,
+)
 
 NTOKEN, NINP, NHID, NLAYERS = 24, 16, 32, 2
 BPTT, BATCH = 10, 8
@@ -180,11 +184,8 @@ def train_locally(trainer: int, steps: int, lr: float) -> list[float]:
 def main() -> int:
     parser = example_arguments(__doc__ or "", steps=60, lr=0.03)
     args = parser.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world < 2:
-        parser.error("needs a parameter server and at least one trainer (--nproc-per-node 2)")
-    name = "ps" if rank == 0 else f"trainer{rank}"
-    rpc.init_rpc(name, rank=rank, world_size=world)
+    rank, world = init_parameter_server_group(parser)
+    name = rpc.get_worker_info().name
     status = 0
     if rank != 0:
         losses = train(rank, args.steps, args.lr)

@@ -103,17 +103,7 @@ class Tracer:
                 "message_id": message_id,
             },
         }
-        flow = {
-            "name": "rpc",
-            "cat": "rpc",
-            "ph": "s",
-            "id": f"{self.rank}:{message_id}",
-            "pid": self.rank,
-            "tid": thread,
-            "ts": start * 1e6,
-        }
-        with self._lock:
-            self._events += [event, flow]
+        self._record(event, self._flow("s", f"{self.rank}:{message_id}", thread, start))
 
     def served(
         self, sender: int, message_id: int, what: str, nbytes: int, start: float, outcome: str
@@ -135,18 +125,18 @@ class Tracer:
                 "message_id": message_id,
             },
         }
-        flow = {
-            "name": "rpc",
-            "cat": "rpc",
-            "ph": "f",
-            "bp": "e",
-            "id": f"{sender}:{message_id}",
-            "pid": self.rank,
-            "tid": thread,
-            "ts": start * 1e6,
-        }
+        flow = self._flow("f", f"{sender}:{message_id}", thread, start)
+        flow["bp"] = "e"  # binds to the enclosing serve slice
+        self._record(event, flow)
+
+    def _flow(self, phase: str, flow_id: str, thread: int, start: float) -> dict[str, Any]:
+        """A flow event: the arrow from a call's start on the caller to its serving."""
+        return {"name": "rpc", "cat": "rpc", "ph": phase, "id": flow_id, "pid": self.rank,
+                "tid": thread, "ts": start * 1e6}
+
+    def _record(self, *events: dict[str, Any]) -> None:
         with self._lock:
-            self._events += [event, flow]
+            self._events += events
 
     def stop(self) -> list[dict[str, Any]]:
         """Stop recording and return this worker's events (with a process-name record)."""
