@@ -30,7 +30,7 @@ _SCRIPT = textwrap.dedent(
     futures, peaks = [], []
     for i in range(CALLS):
         futures.append(rpc.rpc_async("worker1", slow_echo, args=(i,)))
-        peaks.append(sum(1 for p in list(agent._pending.values()) if p.credit is not None))
+        peaks.append(sum(1 for p in list(agent._pending.values()) if p.credits is not None))
     results = [f.wait() for f in futures]
     print("peak:", max(peaks), "all:", results == list(range(CALLS)), flush=True)
     group.shutdown()

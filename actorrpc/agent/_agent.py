@@ -46,6 +46,7 @@ from ..transport import Transport
 from ._calls import (
     CallHook,
     CallRecord,
+    FlowCredits,
     Handler,
     HandlerEntry,
     IncomingRequest,
@@ -155,7 +156,7 @@ class Agent(MessageDispatcher):
         self._members = self.members.members
         self._infos = self.members.infos
         self.liveness = LivenessMonitor(self)
-        self._credits: dict[int, threading.BoundedSemaphore] = {}
+        self._credits: dict[int, FlowCredits] = {}
         self._running = False
         self._io_thread: threading.Thread | None = None
         self._last_warning = 0.0
@@ -344,9 +345,8 @@ class Agent(MessageDispatcher):
         timeout = self.effective_timeout(timeout)
         message_id = next(self._message_ids)
         future: Future[Any] = Future(lambda: f"{description or kind.name} on {dest.name}", self)
-        credit = self._take_credit(dest, kind, timeout)
         self._pending[message_id] = PendingCall(
-            future, dest, description, timeout, on_result, credit=credit
+            future, dest, description, timeout, on_result, self._take_credit(dest, kind, timeout)
         )
         if timeout > 0:
             with self._deadline_lock:
@@ -375,7 +375,7 @@ class Agent(MessageDispatcher):
 
     def _take_credit(
         self, dest: WorkerInfo, kind: MessageKind, timeout: float
-    ) -> threading.BoundedSemaphore | None:
+    ) -> FlowCredits | None:
         """Flow control: at most ``max_calls_in_flight_per_peer`` user calls to one peer.
 
         A caller beyond the limit waits (up to its timeout) for a reply to free a
@@ -384,22 +384,22 @@ class Agent(MessageDispatcher):
         """
         if kind not in _CREDITED_KINDS or threading.get_ident() == self.io_thread_ident:
             return None
-        credit = self._credits.get(dest.id)
-        if credit is None:
+        credits = self._credits.get(dest.id)
+        if credits is None:
             limit = self.options.max_calls_in_flight_per_peer
-            credit = self._credits.setdefault(dest.id, threading.BoundedSemaphore(limit))
-        if not credit.acquire(timeout=timeout if timeout > 0 else None):
+            credits = self._credits.setdefault(dest.id, FlowCredits(limit))
+        if not credits.take(timeout if timeout > 0 else None):
             raise RpcTimeoutError(
                 f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) waiting to send: "
                 f"{self.options.max_calls_in_flight_per_peer} calls to {dest!r} are in flight"
             )
-        return credit
+        return credits
 
     def _take_pending(self, message_id: int) -> PendingCall | None:
         """Remove a pending call (exactly once) and give back its flow-control credit."""
         pending = self._pending.pop(message_id, None)
-        if pending is not None and pending.credit is not None:
-            pending.credit.release()
+        if pending is not None and pending.credits is not None:
+            pending.credits.give_back()
         return pending
 
     def prepare_call(

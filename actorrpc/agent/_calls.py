@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -19,6 +20,7 @@ __all__ = [
     "CallHook",
     "CallRecord",
     "Failure",
+    "FlowCredits",
     "Handler",
     "HandlerEntry",
     "IncomingRequest",
@@ -57,13 +59,14 @@ class CallHook(Protocol):
 
     ``before_send`` runs on the caller; it may edit ``call.args``, ``call.kwargs``
     and ``call.meta`` and may return a function applied to the reply's value.
-    ``serving`` is entered on the callee around the function; it may edit
-    ``call.args``/``call.kwargs`` on entry and ``call.result`` on exit.
+    ``serving`` returns a context manager entered on the callee around the
+    function (it may edit ``call.args``/``call.kwargs`` on entry and
+    ``call.result`` on exit), or None when the hook has nothing to do for this call.
     """
 
     def before_send(self, call: CallRecord) -> Callable[[Any], Any] | None: ...
 
-    def serving(self, call: CallRecord) -> AbstractContextManager[Any]: ...
+    def serving(self, call: CallRecord) -> AbstractContextManager[Any] | None: ...
 
 
 @dataclass
@@ -72,15 +75,72 @@ class HandlerEntry:
     inline: bool
 
 
-@dataclass
 class PendingCall:
-    future: Future[Any]
-    dest: WorkerInfo
-    description: str
-    timeout: float
-    on_result: Callable[[Any], Any] | None = None
-    credit: Any = None  # the flow-control slot to give back when the call ends
-    created: float = field(default_factory=time.monotonic)
+    """A request sent and not yet answered (one per message id)."""
+
+    __slots__ = ("credits", "description", "dest", "future", "on_result", "timeout")
+
+    def __init__(
+        self,
+        future: Future[Any],
+        dest: WorkerInfo,
+        description: str,
+        timeout: float,
+        on_result: Callable[[Any], Any] | None = None,
+        credits: FlowCredits | None = None,
+    ) -> None:
+        self.future = future
+        self.dest = dest
+        self.description = description
+        self.timeout = timeout
+        self.on_result = on_result
+        self.credits = credits  # the flow-control credits to give one back to when it ends
+
+
+class FlowCredits:
+    """At most ``limit`` calls in flight to one peer; a caller beyond it waits.
+
+    The common case (a slot is free) costs one lock round trip; a
+    :class:`threading.Condition` is only waited on at the limit.
+    """
+
+    __slots__ = ("_available", "_lock", "_waiters", "_waiting", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._available = limit
+        self._waiting = 0
+        self._lock = threading.Lock()
+        self._waiters = threading.Condition(self._lock)
+
+    def take(self, timeout: float | None) -> bool:
+        """Take a credit, waiting up to ``timeout`` seconds (None: forever); False on timeout."""
+        with self._lock:
+            if self._available > 0:
+                self._available -= 1
+                return True
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._waiting += 1
+            try:
+                while self._available <= 0:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._waiters.wait(remaining)
+            finally:
+                self._waiting -= 1
+            self._available -= 1
+            return True
+
+    def give_back(self) -> None:
+        with self._lock:
+            self._available += 1
+            if self._waiting:
+                self._waiters.notify()
+
+    @property
+    def in_flight(self) -> int:
+        return self.limit - self._available
 
 
 class Failure:

@@ -97,11 +97,12 @@ class MessageDispatcher:
     ) -> Any:
         """Run ``run(call)`` inside every hook's ``serving`` scope; return the call's result."""
         record = CallRecord(sender, meta, args, kwargs)
-        if not self._hooks:
+        scopes = [scope for scope in (hook.serving(record) for hook in self._hooks) if scope]
+        if not scopes:
             return run(record)
         with ExitStack() as stack:
-            for hook in self._hooks:
-                stack.enter_context(hook.serving(record))
+            for scope in scopes:
+                stack.enter_context(scope)
             record.result = run(record)
         return record.result
 
@@ -205,9 +206,9 @@ class MessageDispatcher:
         if len(message) < 3:
             self.warn(f"dropped a message of {len(message)} frames (need at least 3)")
             return
-        identity = message[0].bytes
+        identity = message[0]
         try:
-            header = decode_header(message[1].buffer)
+            header = decode_header(message[1])
         except ProtocolError as exc:
             self.warn(f"dropped a malformed message: {exc}")
             return
@@ -219,7 +220,9 @@ class MessageDispatcher:
             self.warn(f"dropped a message claiming to be rank {header.sender}: unknown sender")
             return
         self.liveness.heard_from(header.sender, member.name)
-        self.stats.bytes_in[header.sender] += sum(len(f) for f in message[2:])
+        self.stats.bytes_in[header.sender] += (
+            len(message[2]) if len(message) == 3 else sum(len(f) for f in message[2:])
+        )
         is_response = header.kind in RESPONSE_KINDS
         try:
             parts = self.shared.incoming(header, message[2:])

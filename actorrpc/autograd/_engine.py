@@ -54,7 +54,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -196,12 +196,14 @@ class AutogradEngine:
 
         return on_reply
 
-    @contextmanager
-    def serving(self, call: CallRecord) -> Iterator[None]:
+    def serving(self, call: CallRecord) -> AbstractContextManager[None] | None:
         context_id = call.meta.get(KEY_CONTEXT)
         if context_id is None or self.closed:
-            yield
-            return
+            return None  # not a call inside a distributed autograd context
+        return self._serving_in_context(call, context_id)
+
+    @contextmanager
+    def _serving_in_context(self, call: CallRecord, context_id: int) -> Iterator[None]:
         ctx = self.store.get_or_create(context_id)
         caller = call.peer.id
         if caller != self.agent.rank:

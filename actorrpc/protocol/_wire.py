@@ -151,7 +151,7 @@ class MessageKind(enum.IntEnum):
 
 
 RESPONSE_KINDS = frozenset({MessageKind.RESPONSE, MessageKind.EXCEPTION})
-_KNOWN_KINDS = frozenset(int(k) for k in MessageKind)
+_KIND_BY_VALUE = {int(k): k for k in MessageKind}
 
 
 class Header(NamedTuple):
@@ -184,8 +184,9 @@ def decode_header(frame: bytes | memoryview) -> Header:
         raise ProtocolError(
             f"unsupported protocol version {version} (this worker speaks {PROTOCOL_VERSION})"
         )
-    if kind not in _KNOWN_KINDS:
+    message_kind = _KIND_BY_VALUE.get(kind)
+    if message_kind is None:
         raise ProtocolError(f"unknown message kind {kind}")
     if flags & ~_KNOWN_FLAGS:
         raise ProtocolError(f"unknown header flags {flags:#06x}")
-    return Header(MessageKind(kind), nbuffers, sender, message_id, flags)
+    return Header(message_kind, nbuffers, sender, message_id, flags)

@@ -189,13 +189,15 @@ class _Timers:
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> None:
         with self._cond:
-            heapq.heappush(self._heap, (time.monotonic() + delay, next(self._ids), callback))
+            entry = (time.monotonic() + delay, next(self._ids), callback)
+            heapq.heappush(self._heap, entry)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="actorrpc-rref-timers", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            if self._heap[0] is entry:  # otherwise the thread already wakes up earlier
+                self._cond.notify()
 
     def _run(self) -> None:
         while True:

@@ -136,22 +136,42 @@ class unpickling_from:  # noqa: N801 - used like a function: ``with unpickling_f
 def _rebuild_tensor(
     dtype: torch.dtype,
     size: tuple[int, ...],
-    stride: tuple[int, ...],
+    stride: tuple[int, ...] | None,
     requires_grad: bool,
     is_parameter: bool,
     data: Any,
 ) -> torch.Tensor:
+    """The tensor of :func:`_reduce_tensor`; ``stride`` None: contiguous."""
     raw = memoryview(data)
     if raw.nbytes == 0:
-        flat = torch.empty(0, dtype=dtype)
+        empty = torch.empty(0, dtype=dtype)
+        tensor = torch.as_strided(empty, size, stride or _contiguous_stride(size), 0)
+    elif stride is None:
+        tensor = torch.frombuffer(raw, dtype=dtype).view(size)
     else:
         flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
-    tensor = torch.as_strided(flat, size, stride, 0)
+        tensor = torch.as_strided(flat, size, stride, 0)
     if is_parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     if requires_grad:
         tensor.requires_grad_(True)
     return tensor
+
+
+def _contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
+    stride = []
+    step = 1
+    for n in reversed(size):
+        stride.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+# dtypes whose tensors ``Tensor.numpy()`` exports directly (bfloat16 and others go as bytes)
+_NUMPY_DTYPES = frozenset({
+    torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+})
 
 
 def _span(tensor: torch.Tensor) -> int:
@@ -172,8 +192,14 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         return NotImplemented
     detached = tensor.detach()
     raw: Any
-    if detached.is_contiguous():  # the common case: no span arithmetic, fewer torch calls
-        raw = detached.reshape(-1).view(torch.uint8).numpy() if detached.numel() else b""
+    stride: tuple[int, ...] | None = None
+    if detached.is_contiguous():  # the common case: as few torch calls as possible
+        if not detached.numel():
+            raw = b""
+        elif detached.dtype in _NUMPY_DTYPES:
+            raw = detached.numpy()
+        else:
+            raw = detached.reshape(-1).view(torch.uint8).numpy()
     else:
         if any(s < 0 for s in detached.stride()):
             return NotImplemented
@@ -181,6 +207,7 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         if span > detached.numel():
             detached = detached.contiguous()  # a gappy view: send only its elements
             span = detached.numel()
+        stride = tuple(detached.stride())
         flat = torch.as_strided(detached, (span,), (1,), detached.storage_offset())
         raw = flat.view(torch.uint8).numpy() if span else b""
     data = pickle.PickleBuffer(raw)
@@ -189,7 +216,7 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         (
             tensor.dtype,
             tuple(detached.shape),
-            tuple(detached.stride()),
+            stride,
             tensor.requires_grad,
             isinstance(tensor, torch.nn.Parameter),
             data,

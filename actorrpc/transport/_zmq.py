@@ -33,6 +33,17 @@ _ZAP_DOMAIN = "actorrpc"
 _USER = "actorrpc"
 _RECV_BATCH = 256
 _WAKE_ID = b"!wake"  # agent identities start with a rank digit
+_COPY_THRESHOLD = 65536  # memoryview frames at least this big are sent zero-copy
+
+# The per-message path calls the socket methods of pyzmq's compiled base class
+# with plain-int flags: its pure-Python wrappers (and the enum arithmetic on
+# their flags) cost more than the system calls for small messages.
+_socket_send = zmq.backend.Socket.send
+_socket_recv = zmq.backend.Socket.recv
+_socket_get = zmq.backend.Socket.get
+_SNDMORE = int(zmq.SNDMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 def _curve_keypair(secret: str) -> tuple[bytes, bytes]:
@@ -60,17 +71,21 @@ class PeerLink:
         self.endpoint = endpoint
         self.closed = False
 
-    def send(self, frames: Sequence[Any], copy_threshold: int = 65536) -> None:
-        """Send one multipart message; large frames go zero-copy."""
+    def send(self, frames: Sequence[Any]) -> None:
+        """Send one multipart message; memoryview frames of 64 KiB or more go zero-copy."""
         last = len(frames) - 1
+        socket = self._socket
         with self._lock:
             if self.closed:
                 raise PeerUnreachableError(f"link to {self.endpoint} is closed")
             try:
                 for index, frame in enumerate(frames):
-                    flags = zmq.SNDMORE if index < last else 0
-                    big = isinstance(frame, memoryview) and frame.nbytes >= copy_threshold
-                    self._socket.send(frame, flags, copy=not big)
+                    flags = _SNDMORE if index < last else 0
+                    if type(frame) is bytes:
+                        _socket_send(socket, frame, flags)
+                    else:
+                        big = isinstance(frame, memoryview) and frame.nbytes >= _COPY_THRESHOLD
+                        _socket_send(socket, frame, flags, not big)
             except zmq.Again as exc:
                 raise PeerUnreachableError(
                     f"peer at {self.endpoint} did not accept a message in time "
@@ -216,30 +231,37 @@ class Transport:
         if link is not None:
             link.close()
 
-    def receive(self, timeout: float) -> list[list[zmq.Frame]]:
+    def receive(self, timeout: float) -> list[list[Any]]:
         """Wait up to ``timeout`` seconds and return the messages that arrived.
 
-        Only the I/O thread calls this. Each message is
-        ``[sender id, frames...]``; a :meth:`wake` returns early with no message.
+        Only the I/O thread calls this. Each message is ``[sender id (bytes),
+        first frame (bytes), later frames (zmq.Frame, zero-copy)...]``; a
+        :meth:`wake` returns early with no message.
         """
         inbox = self._inbox
         timeout_ms = max(0, int(timeout * 1000))
         if timeout_ms != self._timeout_ms:
             inbox.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._timeout_ms = timeout_ms
-        messages: list[list[zmq.Frame]] = []
+        messages: list[list[Any]] = []
         try:
-            message = inbox.recv_multipart(copy=False)
+            frame = _socket_recv(inbox, 0, False)
         except zmq.Again:
             return messages
-        if message[0].bytes != _WAKE_ID:
-            messages.append(message)
-        for _ in range(_RECV_BATCH - 1):
-            if not int(inbox.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                break
-            message = inbox.recv_multipart(copy=False)
-            if message[0].bytes != _WAKE_ID:
+        for count in range(1, _RECV_BATCH + 1):
+            # zmq.Frame.more is read without a socket option lookup (which builds an enum)
+            message: list[Any] = [frame.bytes]
+            if frame.more:
+                frame = _socket_recv(inbox, 0, False)
+                message.append(frame.bytes)
+                while frame.more:
+                    frame = _socket_recv(inbox, 0, False)
+                    message.append(frame)
+            if message[0] != _WAKE_ID:
                 messages.append(message)
+            if count == _RECV_BATCH or not int(_socket_get(inbox, _EVENTS)) & _POLLIN:
+                break
+            frame = _socket_recv(inbox, 0, False)
         return messages
 
     def wake(self) -> None:

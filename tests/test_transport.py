@@ -1,0 +1,107 @@
+"""The ZeroMQ transport alone: framing, batching, wake-ups; and per-peer flow credits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from actorrpc.agent._calls import FlowCredits
+from actorrpc.transport import Transport
+from actorrpc.transport._zmq import _RECV_BATCH
+
+from ._waiting import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def pair():
+    sender = Transport(b"0:sender", secret="s", security="plain")
+    receiver = Transport(b"1:receiver", secret="s", security="plain")
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def _receive(receiver: Transport, count: int, deadline_s: float = 20.0) -> list[list[object]]:
+    messages: list[list[object]] = []
+    deadline = time.monotonic() + deadline_s
+    while len(messages) < count and time.monotonic() < deadline:
+        messages.extend(receiver.receive(0.5))
+    return messages
+
+
+def test_messages_keep_order_and_framing_across_receive_batches(pair) -> None:
+    sender, receiver = pair
+    link = sender.link(b"1:receiver", receiver.endpoint)
+    big = memoryview(bytes(range(256)) * 400)  # 100 KiB: sent zero-copy
+    count = 3 * _RECV_BATCH + 7
+    for i in range(count):
+        frames = [b"H" * 20, b"%d" % i]
+        if i % 100 == 0:
+            frames.append(big)
+        link.send(frames)
+    messages = _receive(receiver, count)
+    assert len(messages) == count
+    for i, message in enumerate(messages):
+        identity, header, *rest = message
+        assert identity == b"0:sender"
+        assert header == b"H" * 20
+        assert bytes(rest[0].buffer) == b"%d" % i  # type: ignore[attr-defined]
+        assert len(rest) == (2 if i % 100 == 0 else 1)
+        if i % 100 == 0:
+            assert bytes(rest[1].buffer) == bytes(big)  # type: ignore[attr-defined]
+
+
+def test_wake_returns_without_a_message(pair) -> None:
+    _, receiver = pair
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(receiver.receive(30.0)))
+    thread.start()
+    receiver.wake()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert result == [[]]
+
+
+def test_flow_credits_block_at_the_limit_until_one_is_given_back() -> None:
+    credits = FlowCredits(2)
+    assert credits.take(None) and credits.take(None)
+    assert credits.in_flight == 2
+    assert credits.take(0.05) is False  # full: times out
+    taken = threading.Event()
+    thread = threading.Thread(target=lambda: credits.take(30.0) and taken.set())
+    thread.start()
+    assert not taken.wait(0.05)
+    credits.give_back()
+    thread.join(10)
+    assert taken.is_set()
+    assert credits.in_flight == 2
+    credits.give_back()
+    credits.give_back()
+    assert credits.in_flight == 0
+
+
+def test_flow_credits_wake_every_waiter_a_credit_is_given_back_for() -> None:
+    credits = FlowCredits(3)
+    for _ in range(3):
+        assert credits.take(None)
+    woken = threading.Semaphore(0)
+
+    def wait_for_credit() -> None:
+        if credits.take(30.0):
+            woken.release()
+
+    threads = [threading.Thread(target=wait_for_credit) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    assert wait_until(lambda: credits._waiting == 3, 10)  # all three blocked at the limit
+    for _ in range(3):  # given back in a burst, before any waiter runs
+        credits.give_back()
+    for _ in range(3):
+        assert woken.acquire(timeout=10)
+    for thread in threads:
+        thread.join(10)
+    assert credits.in_flight == 3
