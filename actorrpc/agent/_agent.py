@@ -211,6 +211,10 @@ class Agent(MessageDispatcher):
         """Run ``fn(*args)`` on the I/O thread soon; safe from ``__del__`` and any thread."""
         self._soon.put((fn, args))
 
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on a pool thread (work that computes: never on the I/O thread)."""
+        self._pool.submit(fn, *args)
+
     def add_call_hook(self, hook: CallHook) -> None:
         self._hooks.append(hook)
 

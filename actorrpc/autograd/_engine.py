@@ -26,7 +26,10 @@ Backward is a message-driven graph traversal keyed by context id:
    received gradients, sends further messages for the recv nodes it reaches, and
    replies when all of them have replied (its handler returns a Future, so no
    pool thread waits: cycles such as worker0 -> worker1 -> worker0 cannot
-   deadlock).
+   deadlock). Gradients for send functions of the worker that sent the request
+   are not sent as requests of their own: they travel back in the reply, and
+   the requester continues the pass from them (``_pass_driver``), so the usual
+   caller -> callee -> caller round trip costs one message pair.
 4. The initiator's ``backward`` returns when all its messages were answered, which
    transitively covers the whole graph; the first error anywhere is raised there,
    naming the worker(s) it came through.
@@ -80,6 +83,7 @@ from ._functions import (
     recv_tag,
     replace_tensors,
 )
+from ._pass_driver import Owed, PassDriver
 
 __all__ = ["AutogradEngine", "engine_of", "install"]
 
@@ -258,19 +262,24 @@ class AutogradEngine:
         with self._passes_lock:
             self._passes += 1
         try:
-            futures = self._local_pass(ctx, nodes, list(roots), grad_outputs, reach,
-                                       retain_graph, pass_id)
-            errors: list[BaseException] = []
-            for future in futures:
-                try:
-                    future.wait()
-                except BaseException as exc:  # noqa: BLE001 - wait for all, raise the first
-                    errors.append(exc)
-            if errors:
-                raise errors[0]
+            futures, _ = self._local_pass(ctx, nodes, list(roots), grad_outputs, reach,
+                                          retain_graph, pass_id, reply_to=None)
+            if futures:
+                driver = self._driver(ctx, retain_graph, pass_id, reply_to=None)
+                driver.add(futures, [])
+                driver.result.wait()  # raises the first error, once every part finished
         finally:
             with self._passes_lock:
                 self._passes -= 1
+
+    def _driver(self, ctx: DistAutogradContext, retain_graph: bool, pass_id: int,
+                reply_to: int | None) -> PassDriver:
+        return PassDriver(
+            lambda message_id, grads: self._continue_at(
+                ctx, message_id, grads, retain_graph, pass_id, reply_to
+            ),
+            self.agent.submit,
+        )
 
     def _local_pass(
         self,
@@ -281,15 +290,21 @@ class AutogradEngine:
         reach: Reach,
         retain_graph: bool,
         pass_id: int,
-    ) -> list[torch.futures.Future]:
-        """Backpropagate over this worker's graph; return the futures of the messages sent."""
+        reply_to: int | None,
+    ) -> tuple[list[torch.futures.Future], Owed]:
+        """Backpropagate over this worker's graph.
+
+        Returns the futures of the messages sent, and the gradients owed to
+        ``reply_to`` (the worker whose request this pass serves), which go back
+        in the reply instead of in a message of their own.
+        """
         ctx.claim(start, pass_id, retain_graph)
         inputs: list[Any] = list(reach.leaves)
         tags = [recv_tag(node) for node in reach.recvs]
         for node, tag in zip(reach.recvs, tags):
             inputs.extend(GradientEdge(node, i) for i in range(tag[3]))  # type: ignore[index]
         if not inputs:
-            return []
+            return [], []
         # retain_graph=True always: another message of this pass may cross this subgraph.
         grads = torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True,
                                     allow_unused=True)
@@ -297,6 +312,7 @@ class AutogradEngine:
             if grad is not None:
                 ctx.accumulate(leaf, grad)
         futures: list[torch.futures.Future] = []
+        owed: Owed = []
         offset = len(reach.leaves)
         for tag in tags:
             context_id, message_id, sender, count = tag  # type: ignore[misc]
@@ -304,6 +320,9 @@ class AutogradEngine:
             offset += count
             if all(g is None for g in part):
                 continue  # not on a path from the roots: no message
+            if sender == reply_to:
+                owed.append((message_id, part))
+                continue
             payload = (context_id, message_id, part, retain_graph, pass_id)
             try:
                 futures.append(self.agent.send_request(
@@ -312,16 +331,22 @@ class AutogradEngine:
                 ))
             except BaseException as exc:  # noqa: BLE001 - reported with the others
                 futures.append(_failed(exc))
-        return futures
+        return futures, owed
 
-    def handle_backward(self, request: IncomingRequest) -> Any:
-        """AUTOGRAD_BACKWARD: continue the pass from one of this worker's send functions."""
-        context_id, message_id, grads, retain_graph, pass_id = request.payload
-        ctx = self.store.retrieve(context_id)
+    def _continue_at(
+        self,
+        ctx: DistAutogradContext,
+        message_id: int,
+        grads: list[Any],
+        retain_graph: bool,
+        pass_id: int,
+        reply_to: int | None,
+    ) -> tuple[list[torch.futures.Future], Owed]:
+        """Continue a pass from this worker's send function ``message_id`` with ``grads``."""
         send = ctx.get_send(message_id)
         if send is None:
             raise DistAutogradError(
-                f"autograd context {context_id} on {self.agent.name!r} has no send function "
+                f"autograd context {ctx.context_id} on {self.agent.name!r} has no send function "
                 f"for message {message_id}"
             )
         if len(grads) != len(send.aliases):
@@ -332,11 +357,27 @@ class AutogradEngine:
         pairs = [(a, g) for a, g in zip(send.aliases, grads) if g is not None]
         if send.reach is None:
             send.reach = reach_from([send.node])
-        futures = self._local_pass(
+        return self._local_pass(
             ctx, [("send", message_id)], [a for a, _ in pairs], [g for _, g in pairs],
-            send.reach, retain_graph, pass_id,
+            send.reach, retain_graph, pass_id, reply_to,
         )
-        return _gather(futures) if futures else None
+
+    def handle_backward(self, request: IncomingRequest) -> Any:
+        """AUTOGRAD_BACKWARD: continue the pass from one of this worker's send functions.
+
+        Replies with the gradients owed to the requester (see ``_pass_driver``),
+        once the messages this worker sent for the pass were answered.
+        """
+        context_id, message_id, grads, retain_graph, pass_id = request.payload
+        ctx = self.store.retrieve(context_id)
+        requester = request.sender.id
+        futures, owed = self._continue_at(ctx, message_id, grads, retain_graph, pass_id,
+                                          requester)
+        if not futures:
+            return owed or None
+        driver = self._driver(ctx, retain_graph, pass_id, requester)
+        driver.add(futures, owed)
+        return driver.result
 
     # -- cleanup -------------------------------------------------------------------------------
 

@@ -1,0 +1,109 @@
+"""The rest of one distributed backward pass on one worker, after its first local pass.
+
+A local pass sends ``AUTOGRAD_BACKWARD`` for every recv node it reaches, except
+for recv nodes whose sender is the worker that asked this worker to run the pass
+(it is waiting on the reply anyway): those gradients are *owed* to it and travel
+back inside the reply, as ``[(message_id, grads), ...]``. So the common
+round trip caller -> callee -> caller costs one message pair instead of two.
+
+A :class:`PassDriver` waits for the replies to the messages its passes sent; a
+reply may hand back gradients owed to this worker, for which it runs more local
+passes (on the agent's pool: a pass computes, and replies arrive on the I/O
+thread), which may send more messages. ``result`` completes once nothing is
+outstanding: with the gradients this worker owes its own requester, or with the
+first error seen (after every outstanding part finished, as before).
+
+Invariant: ``_outstanding`` counts the passes to run plus the replies to wait
+for; each is added before the unit that creates it is finished, so the count
+reaches zero exactly once, when the whole pass is done on this worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import DistAutogradError
+
+__all__ = ["Owed", "PassDriver"]
+
+Owed = list[tuple[int, list[Any]]]  # (message id of one of the requester's send functions, grads)
+ContinueAt = Callable[[int, list[Any]], tuple[list[torch.futures.Future], Owed]]
+
+
+class PassDriver:
+    """Drives one worker's share of a backward pass (see the module docstring)."""
+
+    def __init__(self, continue_at: ContinueAt, submit: Callable[..., None]) -> None:
+        self.result: torch.futures.Future = torch.futures.Future()
+        self._continue_at = continue_at
+        self._submit = submit
+        self._owed: Owed = []
+        self._error: BaseException | None = None
+        self._outstanding = 1  # the pass that created this driver, finished by its add()
+        self._lock = threading.Lock()
+
+    def add(self, futures: Sequence[torch.futures.Future], owed: Owed) -> None:
+        """A local pass finished: wait for the messages it sent; keep what it owes."""
+        with self._lock:
+            self._owed.extend(owed)
+            self._outstanding += len(futures)
+        for future in futures:
+            future.add_done_callback(self._on_reply)
+        self._finish_one()
+
+    def fail(self, error: BaseException) -> None:
+        """A local pass failed before sending anything."""
+        self._record(error)
+        self._finish_one()
+
+    def _on_reply(self, future: torch.futures.Future) -> None:
+        handed_back: Owed = []
+        try:
+            handed_back = _checked(future.wait())
+        except BaseException as exc:  # noqa: BLE001 - reported once everything finished
+            self._record(exc)
+        with self._lock:
+            self._outstanding += len(handed_back)
+        for message_id, grads in handed_back:
+            self._submit(self._run, message_id, grads)
+        self._finish_one()
+
+    def _run(self, message_id: int, grads: list[Any]) -> None:
+        try:
+            futures, owed = self._continue_at(message_id, grads)
+        except BaseException as exc:  # noqa: BLE001
+            self.fail(exc)
+            return
+        self.add(futures, owed)
+
+    def _record(self, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+
+    def _finish_one(self) -> None:
+        with self._lock:
+            self._outstanding -= 1
+            if self._outstanding:
+                return
+            error, owed = self._error, self._owed
+        if error is not None:
+            self.result.set_exception(error)
+        else:
+            self.result.set_result(owed)
+
+
+def _checked(reply: Any) -> Owed:
+    """The gradients a reply hands back (``None``: none), or :class:`DistAutogradError`."""
+    if reply is None:
+        return []
+    if isinstance(reply, list) and all(
+        isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int)
+        and isinstance(item[1], list) for item in reply
+    ):
+        return reply
+    raise DistAutogradError(f"malformed reply to a distributed backward message: {reply!r:.80}")
