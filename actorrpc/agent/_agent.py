@@ -6,10 +6,11 @@ Threads and hand-offs (see ``docs/performance.md``):
   link (no hand-off to the I/O thread).
 * The callee's I/O thread receives, decodes the header and hands the message to
   a pool thread, or runs it inline when its handler was registered ``inline``
-  (control messages that never block).
-* The pool thread runs the function and sends the reply itself on its DEALER
-  link to the caller's inbox.
-* The caller's I/O thread completes the future, waking the waiting thread.
+  (control messages that never block). The pool thread runs the function and
+  sends the reply itself on its DEALER link to the caller's inbox.
+* On the caller, a thread waiting on its future receives on the inbox itself
+  when the inbox is free (``_inbox``: no wake-up by the I/O thread); otherwise
+  the I/O thread completes the future, waking the waiting thread.
 
 Invariants:
 
@@ -22,7 +23,6 @@ Invariants:
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import queue
@@ -52,6 +52,7 @@ from ._calls import (
     IncomingRequest,
     PendingCall,
 )
+from ._deadlines import Deadlines
 from ._dispatch import MessageDispatcher
 from ._dynamic_group import (
     DynamicRendezvous,
@@ -61,6 +62,7 @@ from ._dynamic_group import (
     send_left,
 )
 from ._futures import Future, complete
+from ._inbox import InboxTurns
 from ._liveness import LivenessMonitor
 from ._members import MemberTable
 from ._observe import StatusPublisher, Tracer, WorkerStats, worker_snapshot
@@ -147,8 +149,7 @@ class Agent(MessageDispatcher):
         self._shutdown_hooks: list[Callable[[float], None]] = []
         self._close_hooks: list[Callable[[bool], None]] = []
         self._pending: dict[int, PendingCall] = {}
-        self._deadlines: list[tuple[float, int]] = []
-        self._deadline_lock = threading.Lock()
+        self._deadlines = Deadlines()
         self._message_ids = itertools.count(1)
         self._inflight = 0
         self._inflight_lock = threading.Lock()
@@ -162,6 +163,7 @@ class Agent(MessageDispatcher):
         self._last_warning = 0.0
         self._suppressed_warnings = 0
         self.extensions: dict[str, Any] = {}
+        self.inbox = InboxTurns()
         self._soon: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]]] = (
             queue.SimpleQueue()
         )
@@ -269,6 +271,10 @@ class Agent(MessageDispatcher):
     def _publish_status(self, rank: int, world_size: int, payload: str) -> None:
         self._rendezvous.publish_status(rank, world_size, payload)
 
+    def wake_inbox(self) -> None:
+        """Make whichever thread receives on the inbox return from its wait now."""
+        self._transport.wake()
+
     def is_alive(self) -> bool:
         return self._running
 
@@ -353,8 +359,7 @@ class Agent(MessageDispatcher):
             future, dest, description, timeout, on_result, self._take_credit(dest, kind, timeout)
         )
         if timeout > 0:
-            with self._deadline_lock:
-                heapq.heappush(self._deadlines, (time.monotonic() + timeout, message_id))
+            self._deadlines.add(time.monotonic() + timeout, message_id)
         try:
             self._send(dest.id, kind, message_id, body, buffers)
         except BaseException:
@@ -367,11 +372,7 @@ class Agent(MessageDispatcher):
         return future
 
     def notify(self, dest: WorkerInfo, kind: MessageKind, payload: Any) -> None:
-        """Send a notification: a request with message id 0, which is never answered.
-
-        For control messages whose answer nobody waits for (an RRef user's
-        delete, a shared-memory release): one message instead of two.
-        """
+        """Send a notification (message id 0, never answered): an RRef delete, a release."""
         with pickling_for(dest.id):
             body, buffers = dumps(payload, "arguments")
         self._send(dest.id, kind, 0, body, buffers)
@@ -384,9 +385,12 @@ class Agent(MessageDispatcher):
 
         A caller beyond the limit waits (up to its timeout) for a reply to free a
         slot, so a fast caller cannot queue unbounded work on a slow peer. The
-        I/O thread and control messages are never held back.
+        I/O thread (or a thread whose turn it is on the inbox) and control
+        messages are never held back.
         """
         if kind not in _CREDITED_KINDS or threading.get_ident() == self.io_thread_ident:
+            return None
+        if self.inbox.held_by_current_thread():  # a callback run during a waiter's turn
             return None
         credits = self._credits.get(dest.id)
         if credits is None:
@@ -488,35 +492,24 @@ class Agent(MessageDispatcher):
 
     def _io_loop(self) -> None:
         self.io_thread_ident = threading.get_ident()
-        receive = self._transport.receive
-        while self._running:
-            try:
-                for message in receive(self._poll_timeout()):
-                    self._on_message(message)
-                while not self._soon.empty():
-                    fn, args = self._soon.get_nowait()
-                    fn(*args)
-                self._expire_deadlines()
-                self.liveness.check()
-                self._pool.maintain()
-            except BaseException:  # noqa: BLE001 - the loop must survive anything
-                _log.exception("%s: error in the I/O loop", self.name)
+        self.inbox.run_io_loop(self)
+
+    def _housekeeping(self) -> None:
+        """The I/O thread's timed work: queued work, deadlines, liveness, pool growth."""
+        while not self._soon.empty():
+            fn, args = self._soon.get_nowait()
+            fn(*args)
+        self._expire_deadlines()
+        self.liveness.check()
+        self._pool.maintain()
 
     def _poll_timeout(self) -> float:
         limit = _MAX_POLL if self._pool.idle_or_empty() else STALL_SECONDS
-        if not self._deadlines:
-            return limit
-        return max(0.0, min(limit, self._deadlines[0][0] - time.monotonic()))
+        to_next = self._deadlines.seconds_to_next(time.monotonic())
+        return limit if to_next is None else max(0.0, min(limit, to_next))
 
     def _expire_deadlines(self) -> None:
-        if len(self._deadlines) > 1024 + 4 * len(self._pending):  # drop answered calls' entries
-            with self._deadline_lock:
-                self._deadlines[:] = [d for d in self._deadlines if d[1] in self._pending]
-                heapq.heapify(self._deadlines)
-        now = time.monotonic()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            with self._deadline_lock:
-                _, message_id = heapq.heappop(self._deadlines)
+        for message_id in self._deadlines.due(time.monotonic(), self._pending):
             pending = self._take_pending(message_id)
             if pending is not None:
                 complete(
@@ -582,8 +575,12 @@ class Agent(MessageDispatcher):
         self._status.stop()
         self._running = False
         self._transport.wake()
+        self.inbox.resume()
         if self._io_thread is not None and self._io_thread is not threading.current_thread():
             self._io_thread.join(5.0)
+        # no thread may receive on the inbox any more (a waiter's turn ends within its poll)
+        if not self.inbox.held_by_current_thread() and not self.inbox.lock.acquire(timeout=5.0):
+            _log.warning("%s: a thread still receives on the inbox while stopping", self.name)
         while not self._soon.empty():  # queued I/O work (deletes, releases) still goes out
             fn, args = self._soon.get_nowait()
             try:

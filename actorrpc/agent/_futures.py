@@ -38,6 +38,8 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
         self._gate.acquire()
         self._description = description  # a str, or a callable that makes one when needed
         self._agent = agent
+        self._receiver: int | None = None  # the thread receiving on the inbox for this future
+        self._blocked = False  # a thread blocks on the gate (another thread completes it)
 
     @property
     def description(self) -> str:
@@ -47,20 +49,35 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
     def wait(self) -> T:
         if not self._done:
             agent = self._agent
-            if agent is not None and threading.get_ident() == agent.io_thread_ident:
+            if agent is not None and (
+                threading.get_ident() == agent.io_thread_ident
+                or agent.inbox.held_by_current_thread()
+            ):
                 raise ActorRpcError(
                     f"waiting on {self.description or 'a future'} from the RPC I/O thread would "
                     "deadlock; use Future.then() instead of blocking inside a callback"
                 )
+            if agent is None or not agent.inbox.receive_until(agent, self):
+                self._wait_on_gate(agent)
+        if self._error is not None:
+            raise _fresh(self._error)
+        return super().wait()  # type: ignore[no-any-return]
+
+    def _wait_on_gate(self, agent: Any) -> None:
+        """Block until another thread (the inbox's holder) completes this future."""
+        self._blocked = True
+        if agent is not None:
+            agent.inbox.count_blocked(1)
+        try:
             while not self._gate.acquire(timeout=_LIVENESS_CHECK_INTERVAL):
                 if agent is not None and not agent.is_alive():
                     raise ActorRpcError(
                         f"the RPC agent stopped before {self.description or 'the future'} completed"
                     )
             self._gate.release()  # let any other waiter through
-        if self._error is not None:
-            raise _fresh(self._error)
-        return super().wait()  # type: ignore[no-any-return]
+        finally:
+            if agent is not None:
+                agent.inbox.count_blocked(-1)
 
     def __await__(self) -> Generator[Any, None, T]:
         import asyncio
@@ -109,3 +126,10 @@ def complete(future: Future[Any], value: Any = None, error: BaseException | None
     except RuntimeError:
         return  # a racing path completed it first and opened the gate
     future._gate.release()
+    agent = future._agent
+    if agent is not None:
+        if future._blocked:
+            agent.inbox.waiter_served()
+        receiver = future._receiver
+        if receiver is not None and receiver != threading.get_ident():
+            agent.wake_inbox()  # completed elsewhere (timeout, dead peer): end the turn

@@ -2,8 +2,10 @@
 
 Invariants:
 
-* The inbox ROUTER socket is used by exactly one thread, the agent's I/O thread
-  (:meth:`Transport.receive`); other threads reach it only through :meth:`wake`.
+* The inbox ROUTER socket is received on (:meth:`Transport.receive`) by one
+  thread at a time, under a lock its caller holds (the agent's inbox turns),
+  which gives the memory barrier ZeroMQ asks for when a socket changes threads;
+  other threads reach it only through :meth:`wake`.
 * Each outgoing DEALER link is used by whichever thread sends, but only while
   holding that link's lock, which also gives the memory barrier ZeroMQ asks for
   when a socket moves between threads.
@@ -234,9 +236,9 @@ class Transport:
     def receive(self, timeout: float) -> list[list[Any]]:
         """Wait up to ``timeout`` seconds and return the messages that arrived.
 
-        Only the I/O thread calls this. Each message is ``[sender id (bytes),
-        first frame (bytes), later frames (zmq.Frame, zero-copy)...]``; a
-        :meth:`wake` returns early with no message.
+        One thread at a time calls this (see the module docstring). Each
+        message is ``[sender id (bytes), first frame (bytes), later frames
+        (zmq.Frame, zero-copy)...]``; a :meth:`wake` returns early with no message.
         """
         inbox = self._inbox
         timeout_ms = max(0, int(timeout * 1000))

@@ -1,0 +1,203 @@
+"""Whose turn it is to receive on the inbox: the I/O thread, or a thread waiting for a reply.
+
+A thread blocked in ``Future.wait()`` would otherwise be woken by the I/O
+thread, which received its reply: two thread wake-ups per synchronous call on
+the caller's side. Instead the waiting thread takes a turn on the inbox itself
+when it is free, receiving and handling every message that arrives (replies to
+other calls, requests, which go to the pool as usual) until its own future is
+done. After it handed a reply to a blocked waiter, the I/O thread stays off the
+inbox for :data:`BACKOFF_SECONDS`, so a thread making synchronous calls one after
+another receives its own replies; it takes the inbox back when no waiter used it
+for that long, and meanwhile keeps doing its timed work (deadlines, liveness,
+queued ``call_soon`` work).
+
+Invariants:
+
+* Only the thread holding :attr:`InboxTurns.lock` receives on the inbox socket
+  or handles what arrived; acquiring and releasing the lock is the full memory
+  barrier ZeroMQ asks for when a socket moves between threads.
+* A waiting thread never waits for the inbox: it takes a turn only if the lock
+  is free, else it blocks on its future as before (the holder completes it).
+* A message that arrives while nobody holds the inbox waits at most
+  :data:`BACKOFF_SECONDS` (plus the I/O thread's wake-up) before it is received.
+* A turn ends when the future is done or the agent stops; a future completed by
+  another thread (a timeout, a dead peer, shutdown) wakes the inbox so the turn
+  ends promptly. While the main thread has a turn, SIGINT is deferred to the end
+  of the turn (``KeyboardInterrupt`` cannot strike between receiving a message
+  and handling it) and then delivered as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._agent import Agent
+
+__all__ = ["BACKOFF_SECONDS", "InboxTurns"]
+
+_log = logging.getLogger("actorrpc.agent")
+BACKOFF_SECONDS = 0.001
+_TURN_POLL = 0.05
+
+
+class InboxTurns:
+    """The inbox lock and the I/O thread's back-off (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holder: int | None = None  # thread ident while a thread holds the lock
+        self.blocked_waiters = 0  # threads blocked on a future (not receiving)
+        self.turns = 0  # turns taken by waiting threads (statistics)
+        self._count_lock = threading.Lock()
+        self._io_ident: int | None = None
+        self._last_waiter_turn = float("-inf")
+        self._resume = threading.Event()
+
+    def held_by_current_thread(self) -> bool:
+        return self.holder == threading.get_ident()
+
+    def count_blocked(self, delta: int) -> None:
+        with self._count_lock:
+            self.blocked_waiters += delta
+
+    def waiter_served(self) -> None:
+        """A blocked waiter got its reply: let it take the next turn itself."""
+        self._last_waiter_turn = time.monotonic()
+
+    def io_pause(self, now: float) -> float:
+        """Seconds the I/O thread should stay off the inbox (0: take it)."""
+        holder = self.holder
+        if holder is not None and holder != self._io_ident:
+            return BACKOFF_SECONDS  # a waiter is receiving
+        return max(0.0, self._last_waiter_turn + BACKOFF_SECONDS - now)
+
+    def resume(self) -> None:
+        """End the I/O thread's back-off now (a waiter left while others block; shutdown)."""
+        self._resume.set()
+
+    # -- the I/O thread ---------------------------------------------------------------------
+
+    def run_io_loop(self, agent: Agent) -> None:
+        self._io_ident = threading.get_ident()
+        receive = agent._transport.receive
+        while agent._running:
+            try:
+                pause = self.io_pause(time.monotonic())
+                if pause > 0:
+                    agent._housekeeping()
+                    self._resume.wait(min(pause, agent._poll_timeout()))
+                    self._resume.clear()
+                    if self.blocked_waiters and not self.lock.locked():
+                        self._last_waiter_turn = float("-inf")  # someone waits: take it now
+                    continue
+                if not self.lock.acquire(timeout=BACKOFF_SECONDS):
+                    agent._housekeeping()
+                    continue
+                self.holder = self._io_ident
+                try:
+                    for message in receive(agent._poll_timeout()):
+                        agent._on_message(message)
+                finally:
+                    self.holder = None
+                    self.lock.release()
+                agent._housekeeping()
+            except BaseException:  # noqa: BLE001 - the loop must survive anything
+                _log.exception("%s: error in the I/O loop", agent.name)
+
+    # -- a waiting thread -------------------------------------------------------------------
+
+    def receive_until(self, agent: Agent, future: Any) -> bool:
+        """Receive on the inbox in this thread until ``future`` is done, if the inbox is free.
+
+        Returns whether the future is done; False if the inbox was busy (or the
+        agent stopped), and the caller then waits on the future as usual.
+        """
+        if not agent._running or not self.lock.acquire(blocking=False):
+            return False
+        me = threading.get_ident()
+        self.holder = me
+        self.turns += 1
+        future._receiver = me
+        deferral = _defer_sigint(agent) if me == _MAIN_IDENT else None
+        try:
+            receive = agent._transport.receive
+            while not future._done and agent._running:
+                try:
+                    for message in receive(_TURN_POLL):
+                        agent._on_message(message)
+                except Exception:  # noqa: BLE001 - as in the I/O loop: never lose the turn
+                    _log.exception("%s: error while receiving", agent.name)
+                if deferral is not None and deferral.deferred:
+                    break
+        finally:
+            future._receiver = None
+            self.holder = None
+            self._last_waiter_turn = time.monotonic()
+            self.lock.release()
+            if self.blocked_waiters:
+                self.resume()
+            if deferral is not None:
+                deferral.end_turn()
+        return bool(future._done)
+
+
+_MAIN_IDENT = threading.main_thread().ident
+
+
+class _SigintDeferral:
+    """A SIGINT handler wrapping the previous one: deferred while the main thread has a turn.
+
+    Installed once (again only if someone replaced it); outside a turn it calls
+    the previous handler at once, so it is transparent.
+    """
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+        self.agent: Agent | None = None  # set while the main thread has a turn
+        self.deferred: list[tuple[int, Any]] = []
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        agent = self.agent
+        if agent is not None:
+            self.deferred.append((signum, frame))
+            agent.wake_inbox()
+            return
+        _deliver(self.previous, signum, frame)
+
+    def end_turn(self) -> None:
+        self.agent = None
+        if self.deferred:
+            signum, frame = self.deferred[0]
+            self.deferred.clear()
+            _deliver(self.previous, signum, frame)
+
+
+_deferral: _SigintDeferral | None = None
+
+
+def _defer_sigint(agent: Agent) -> _SigintDeferral | None:
+    """Make SIGINT wait for the end of the main thread's turn (None: not possible here)."""
+    global _deferral
+    current = signal.getsignal(signal.SIGINT)
+    if current is not _deferral or _deferral is None:
+        wrapper = _SigintDeferral(current)
+        try:
+            signal.signal(signal.SIGINT, wrapper)
+        except ValueError:  # not the main thread of the main interpreter
+            return None
+        _deferral = wrapper
+    _deferral.agent = agent
+    return _deferral
+
+
+def _deliver(handler: Any, signum: int, frame: Any) -> None:
+    if callable(handler):
+        handler(signum, frame)  # the default handler raises KeyboardInterrupt
+    elif handler == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)

@@ -1,0 +1,132 @@
+"""Waiting threads take turns on the inbox (agent/_inbox.py), against the session group."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import actorrpc as rpc
+from actorrpc.agent import current_agent
+from actorrpc.agent._inbox import BACKOFF_SECONDS, InboxTurns
+from actorrpc.errors import ActorRpcError, RpcTimeoutError
+
+from ._waiting import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _plus_one(x: int) -> int:
+    return x + 1
+
+
+def _sleep_then(value: int, seconds: float) -> int:
+    threading.Event().wait(seconds)
+    return value
+
+
+def test_a_waiting_thread_receives_its_own_replies(cluster: list[str]) -> None:
+    turns = current_agent().inbox
+    before = turns.turns
+    for i in range(50):
+        assert rpc.rpc_sync("worker1", _plus_one, args=(i,)) == i + 1
+    # the I/O thread steps back after serving a blocked waiter: the later waits take turns
+    assert turns.turns - before >= 40
+
+
+def test_threads_waiting_together_all_get_their_replies_without_stalls(
+    cluster: list[str],
+) -> None:
+    errors: list[BaseException] = []
+    slowest: list[float] = []
+
+    def caller(offset: int) -> None:
+        try:
+            worst = 0.0
+            for i in range(100):
+                started = time.monotonic()
+                peer = "worker1" if i % 2 else "worker2"
+                if i % 3:
+                    value = rpc.rpc_sync(peer, _plus_one, args=(offset + i,))
+                else:
+                    value = rpc.rpc_async(peer, _plus_one, args=(offset + i,)).wait()
+                worst = max(worst, time.monotonic() - started)
+                assert value == offset + i + 1
+            slowest.append(worst)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(k * 1000,)) for k in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(50)
+    assert not errors, errors
+    assert len(slowest) == 8
+    # nobody waited on a reply that sat in the inbox (a stall would take >= the poll interval)
+    assert max(slowest) < 1.0, slowest
+
+
+def test_waiting_inside_a_callback_raises_instead_of_deadlocking(cluster: list[str]) -> None:
+    pending = rpc.rpc_async("worker2", _sleep_then, args=(1, 0.5))
+    fast = rpc.rpc_async("worker1", _plus_one, args=(1,))
+    chained = fast.then(lambda _: pending.wait())  # runs on whichever thread receives
+    with pytest.raises(Exception, match="would deadlock"):
+        chained.wait()
+    assert pending.wait() == 1
+
+
+def test_a_timeout_ends_the_waiting_threads_turn_promptly(cluster: list[str]) -> None:
+    started = time.monotonic()
+    with pytest.raises(RpcTimeoutError):
+        rpc.rpc_sync("worker1", _sleep_then, args=(1, 3.0), timeout=0.3)
+    assert time.monotonic() - started < 2.0
+    assert rpc.rpc_sync("worker1", _plus_one, args=(2,)) == 3  # the inbox is served again
+
+
+def test_tensor_replies_and_callbacks_during_turns(cluster: list[str]) -> None:
+    results: list[torch.Tensor] = []
+    futures = [rpc.rpc_async("worker1", torch.add, args=(torch.ones(4), i)) for i in range(20)]
+    for future in futures:
+        future.then(lambda f: results.append(f.value()))
+    values = [f.wait() for f in futures]
+    assert [int(v[0]) for v in values] == [1 + i for i in range(20)]
+    assert wait_until(lambda: len(results) == 20, 10)
+
+
+def test_io_thread_backs_off_only_after_serving_a_waiter() -> None:
+    turns = InboxTurns()
+    now = time.monotonic()
+    assert turns.io_pause(now) == 0.0  # nobody waited: the I/O thread receives
+    turns.waiter_served()
+    assert 0 < turns.io_pause(time.monotonic()) <= BACKOFF_SECONDS
+    assert turns.io_pause(time.monotonic() + 2 * BACKOFF_SECONDS) == 0.0  # not back: take it
+    turns.holder = threading.get_ident()  # a waiter receives
+    assert turns.io_pause(time.monotonic() + 10) == BACKOFF_SECONDS
+    assert turns.held_by_current_thread()
+
+
+def test_a_stopped_agent_refuses_turns() -> None:
+    class _Stopped:
+        _running = False
+
+    class _Future:
+        _done = False
+
+    turns = InboxTurns()
+    assert turns.receive_until(_Stopped(), _Future()) is False  # type: ignore[arg-type]
+    assert not turns.lock.locked()
+
+
+def test_error_type_of_a_deadlocking_wait_is_actorrpc_error(cluster: list[str]) -> None:
+    agent = current_agent()
+    future = rpc.rpc_async("worker1", _sleep_then, args=(5, 0.2))
+    agent.inbox.holder = threading.get_ident()  # pretend this thread has the turn
+    try:
+        with pytest.raises(ActorRpcError, match="would deadlock"):
+            future.wait()
+    finally:
+        agent.inbox.holder = None
+    assert future.wait() == 5
