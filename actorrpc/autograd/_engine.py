@@ -265,7 +265,17 @@ class AutogradEngine:
             futures, _ = self._local_pass(ctx, nodes, list(roots), grad_outputs, reach,
                                           retain_graph, pass_id, reply_to=None)
             if futures:
-                driver = self._driver(ctx, retain_graph, pass_id, reply_to=None)
+                initiator = threading.get_ident()
+
+                def submit(fn: Callable[..., None], *args: Any) -> None:
+                    # a reply received by this thread (its turn on the inbox while it
+                    # waits below) continues the pass here: no hand-off to the pool
+                    if threading.get_ident() == initiator:
+                        fn(*args)
+                    else:
+                        self.agent.submit(fn, *args)
+
+                driver = self._driver(ctx, retain_graph, pass_id, None, submit)
                 driver.add(futures, [])
                 driver.result.wait()  # raises the first error, once every part finished
         finally:
@@ -273,12 +283,13 @@ class AutogradEngine:
                 self._passes -= 1
 
     def _driver(self, ctx: DistAutogradContext, retain_graph: bool, pass_id: int,
-                reply_to: int | None) -> PassDriver:
+                reply_to: int | None, submit: Callable[..., None] | None = None) -> PassDriver:
         return PassDriver(
             lambda message_id, grads: self._continue_at(
                 ctx, message_id, grads, retain_graph, pass_id, reply_to
             ),
-            self.agent.submit,
+            submit or self.agent.submit,
+            self.agent,
         )
 
     def _local_pass(

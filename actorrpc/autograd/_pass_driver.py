@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..agent import Agent, Future, complete
 from ..errors import DistAutogradError
 
 __all__ = ["Owed", "PassDriver"]
@@ -37,8 +38,11 @@ ContinueAt = Callable[[int, list[Any]], tuple[list[torch.futures.Future], Owed]]
 class PassDriver:
     """Drives one worker's share of a backward pass (see the module docstring)."""
 
-    def __init__(self, continue_at: ContinueAt, submit: Callable[..., None]) -> None:
-        self.result: torch.futures.Future = torch.futures.Future()
+    def __init__(
+        self, continue_at: ContinueAt, submit: Callable[..., None], agent: Agent | None = None
+    ) -> None:
+        # an agent Future: a thread waiting on it takes its turn on the inbox
+        self.result: Future[Owed] = Future("distributed backward", agent)
         self._continue_at = continue_at
         self._submit = submit
         self._owed: Owed = []
@@ -92,9 +96,9 @@ class PassDriver:
                 return
             error, owed = self._error, self._owed
         if error is not None:
-            self.result.set_exception(error)
+            complete(self.result, error=error)
         else:
-            self.result.set_result(owed)
+            complete(self.result, owed)
 
 
 def _checked(reply: Any) -> Owed:
