@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ..agent import Agent, Future, WorkerInfo, current_agent
+from ..agent import Agent, Future, WorkerInfo, complete, current_agent
 from ..agent._remote_exception import rebuild_exception
 from ..errors import RpcTimeoutError, RRefError, SerializationError
 from ..protocol import MessageKind
@@ -264,17 +264,13 @@ def _unless_creation_fails(
 
     ``remote()``'s own callback on ``creation`` ran first and set ``_creation_error``.
     """
-    either: torch.futures.Future[Any] = torch.futures.Future()
+    # an agent Future: the thread waiting in to_here() takes its turn on the inbox
+    either: Future[Any] = Future(lambda: f"to_here() of {rref}", rref._agent)
     lock = threading.Lock()
 
     def finish(value: Any, error: BaseException | None) -> None:
-        with lock:
-            if either.done():
-                return
-            if error is None:
-                either.set_result(value)
-            else:
-                either.set_exception(error)
+        with lock:  # the first completion wins
+            complete(either, value, error)
 
     def fetched(done: torch.futures.Future[Any]) -> None:
         finish(*settle(done))
