@@ -15,7 +15,7 @@ import torch
 import actorrpc as rpc
 from actorrpc.agent import current_agent
 from actorrpc.errors import ProtocolError
-from actorrpc.transport import SharedMemoryPool, map_shared_buffer
+from actorrpc.transport import SharedMappings, SharedMemoryPool
 from actorrpc.transport._shared_memory import MAX_FREE_BYTES, SHM_DIRECTORY, sweep_orphans
 from tests._waiting import wait_until
 
@@ -40,7 +40,7 @@ def test_export_map_release_reuse():
         assert _segment_exists(name)
         assert pool.describe()["segments_lent"] == 1
         freed: list[str] = []
-        array = map_shared_buffer(descriptor, freed.append)
+        array = SharedMappings().map(descriptor, 7, freed.append)
         tensor = torch.frombuffer(array, dtype=torch.float32)
         assert torch.equal(tensor, data)
         tensor[0] = -1.0  # the receiver owns the memory while it holds it
@@ -68,7 +68,7 @@ def test_segments_of_a_gone_peer_are_dropped_not_reused():
     pool = SharedMemoryPool()
     try:
         descriptor, name = pool.export(b"x" * 4096, borrower=3)
-        array = map_shared_buffer(descriptor, lambda _: None)
+        array = SharedMappings().map(descriptor, 3, lambda _: None)
         pool.forget_lent_to(3)
         assert not _segment_exists(name)
         assert bytes(array[:4]) == b"xxxx"  # its mapping stays valid
@@ -93,6 +93,54 @@ def test_free_list_is_bounded():
     assert not any(_segment_exists(n) for n in names)
 
 
+def test_a_reused_segment_is_mapped_once_and_the_cache_is_bounded():
+    pool = SharedMemoryPool()
+    mappings = SharedMappings(max_bytes=3 << 20)
+    try:
+        freed: list[str] = []
+        first = bytes(range(256)) * 4096  # 1 MiB
+        descriptor, name = pool.export(first, borrower=5)
+        array = mappings.map(descriptor, 5, freed.append)
+        assert bytes(array[:256]) == bytes(range(256))
+        del array
+        gc.collect()
+        pool.release(freed, borrower=5)
+        descriptor, again = pool.export(b"\x07" * (1 << 20), borrower=5)
+        assert again == name  # the pool reused the segment
+        array = mappings.map(descriptor, 5, freed.append)
+        assert mappings.describe() == {"mappings_cached": 1, "bytes_mapped": 1 << 20}
+        assert bytes(array[:2]) == b"\x07\x07"  # the same mapping sees the new bytes
+        kept = array  # in use: never closed by trimming
+        others = []
+        for _ in range(4):  # more segments than the cache may keep mapped
+            other, _ = pool.export(b"o" * (1 << 20), borrower=5)
+            others.append(mappings.map(other, 5, lambda _: None))
+            others.clear()
+            gc.collect()
+        assert mappings.describe()["bytes_mapped"] <= 3 << 20
+        assert bytes(kept[:2]) == b"\x07\x07"
+        mappings.forget(5)  # its owner is gone
+        assert mappings.describe() == {"mappings_cached": 0, "bytes_mapped": 0}
+        assert bytes(kept[:2]) == b"\x07\x07"  # still valid until freed
+    finally:
+        mappings.close()
+        pool.close()
+
+
+def test_a_cached_mapping_is_not_used_for_another_owner():
+    pool = SharedMemoryPool()
+    mappings = SharedMappings()
+    try:
+        descriptor, name = pool.export(b"a" * 4096, borrower=1)
+        mappings.map(descriptor, 1, lambda _: None)
+        # a different sender naming the same segment gets a mapping of its own
+        mappings.map(descriptor, 2, lambda _: None)
+        assert mappings.describe()["mappings_cached"] == 1
+    finally:
+        mappings.close()
+        pool.close()
+
+
 @pytest.mark.parametrize(
     ("descriptor", "match"),
     [
@@ -104,7 +152,7 @@ def test_free_list_is_bounded():
 )
 def test_bad_descriptors_are_refused(descriptor, match):
     with pytest.raises(ProtocolError, match=match):
-        map_shared_buffer(descriptor, lambda _: None)
+        SharedMappings().map(descriptor, 1, lambda _: None)
 
 
 def test_descriptor_larger_than_its_segment_is_refused():
@@ -113,7 +161,7 @@ def test_descriptor_larger_than_its_segment_is_refused():
         descriptor, name = pool.export(b"z" * 100, borrower=1)  # a 128-byte segment
         forged = (1 << 20).to_bytes(8, "big") + name.encode()
         with pytest.raises(ProtocolError, match="does not hold"):
-            map_shared_buffer(forged, lambda _: None)
+            SharedMappings().map(forged, 1, lambda _: None)
     finally:
         pool.close()
 
@@ -238,4 +286,5 @@ def test_worker_stats_show_the_pool(cluster):
     stats = rpc.get_worker_stats("worker1")
     assert set(stats["shared_memory"]) == {
         "segments_lent", "bytes_lent", "segments_free", "bytes_free",
+        "mappings_cached", "bytes_mapped",
     }

@@ -164,7 +164,7 @@ def worker_snapshot(agent: Agent) -> dict[str, Any]:
         "pool_busy": agent._pool.busy,
         "pool_queued": agent._pool.queued(),
         "dead_peers": sorted(names.get(r, str(r)) for r in agent.liveness.dead_peers),
-        "shared_memory": agent.shared.pool.describe(),
+        "shared_memory": {**agent.shared.pool.describe(), **agent.shared.mappings.describe()},
     }
     for name, extension in agent.extensions.items():
         describe = getattr(extension, "debug_info", None)

@@ -85,7 +85,7 @@ class ZmqRpcBackendOptions:
     secret: str | None = None
     security: str = field(default_factory=lambda: os.environ.get("ACTORRPC_SECURITY", "plain"))
     shared_memory_threshold: int = field(
-        default_factory=lambda: int(os.environ.get("ACTORRPC_SHM_THRESHOLD", str(4 << 20)))
+        default_factory=lambda: int(os.environ.get("ACTORRPC_SHM_THRESHOLD", str(1 << 20)))
     )
     strict_rref_leaks: bool = False
     device_maps: dict[str, Any] = field(default_factory=dict)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ProtocolError
 from ..protocol import FLAG_SHARED_MEMORY, Header, MessageKind
-from ..transport import SharedMemoryPool, map_shared_buffer, shared_memory_available
+from ..transport import SharedMappings, SharedMemoryPool, shared_memory_available
 from ._calls import IncomingRequest
 from ._rendezvous import GroupMember
 
@@ -43,6 +43,7 @@ class SharedBuffers:
         self._threshold = threshold if shared_memory_available() else 0
         self._host = agent.endpoint.rsplit(":", 1)[0]
         self.pool = SharedMemoryPool()
+        self.mappings = SharedMappings()
         self._freed: list[tuple[int, str]] = []
         self._freed_lock = threading.Lock()
         self.closed = False
@@ -94,8 +95,8 @@ class SharedBuffers:
             for index in struct.unpack(f"!{len(table) // 2}H", table):
                 if index >= header.nbuffers:
                     raise ProtocolError(f"shared-memory index {index} is out of range")
-                parts[1 + index] = map_shared_buffer(
-                    parts[1 + index], functools.partial(self._freed_by, owner)
+                parts[1 + index] = self.mappings.map(
+                    parts[1 + index], owner, functools.partial(self._freed_by, owner)
                 )
         return parts
 
@@ -135,7 +136,9 @@ class SharedBuffers:
 
     def peer_gone(self, rank: int) -> None:
         self.pool.forget_lent_to(rank)
+        self.mappings.forget(rank)
 
     def close(self) -> None:
         self.closed = True
         self.pool.close()
+        self.mappings.close()

@@ -4,7 +4,8 @@ A buffer of at least the threshold, going to a peer on this host, is copied
 once into a segment of the sender's pool (POSIX shared memory under
 ``/dev/shm``, mode 0600, mapped and pre-faulted once and then reused) instead
 of being pushed through the socket; the message carries a small descriptor in
-its place. The receiver maps the segment and builds the tensor on the mapping
+its place. The receiver maps the segment (once: its mappings stay open for the
+next message through the same segment) and builds the tensor on the mapping
 without a copy. When the last tensor using that memory is freed, the receiver
 tells the sender, which puts the segment back in its pool.
 
@@ -36,6 +37,7 @@ import secrets
 import struct
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +50,7 @@ __all__ = [
     "MAX_FREE_BYTES",
     "SHM_DIRECTORY",
     "SharedMemoryPool",
-    "map_shared_buffer",
+    "SharedMappings",
     "shared_memory_available",
     "sweep_orphans",
 ]
@@ -212,10 +214,7 @@ def sweep_orphans() -> int:
     return swept
 
 
-def map_shared_buffer(
-    descriptor: bytes | memoryview, on_free: Callable[[str], None]
-) -> np.ndarray[Any, Any]:
-    """Map the segment a descriptor names; ``on_free(name)`` runs once nothing uses it."""
+def _parse_descriptor(descriptor: bytes | memoryview) -> tuple[int, str]:
     raw = bytes(descriptor)
     if len(raw) <= _SIZE.size:
         raise ProtocolError("a shared-memory descriptor is too short")
@@ -223,16 +222,105 @@ def map_shared_buffer(
     name = raw[_SIZE.size:].decode("ascii", errors="replace")
     if not _NAME.fullmatch(name):
         raise ProtocolError(f"a shared-memory descriptor names {name[:80]!r}, not a segment")
+    if nbytes <= 0:
+        raise ProtocolError(f"shared-memory segment {name} does not hold {nbytes} bytes")
+    return nbytes, name
+
+
+def _map_segment(name: str, nbytes: int) -> mmap.mmap:
+    """Map all of segment ``name`` (pre-faulted), checking it holds ``nbytes``."""
     try:
         fd = os.open(os.path.join(SHM_DIRECTORY, name), os.O_RDWR)
     except FileNotFoundError as exc:
         raise ProtocolError(f"shared-memory segment {name} is gone (its sender closed)") from exc
     try:
-        if not 0 < nbytes <= os.fstat(fd).st_size:
+        size = os.fstat(fd).st_size
+        if nbytes > size:
             raise ProtocolError(f"shared-memory segment {name} does not hold {nbytes} bytes")
-        mapping = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS)
+        return mmap.mmap(fd, size, flags=_MAP_FLAGS)
     finally:
         os.close(fd)
-    array = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
-    weakref.finalize(array, on_free, name)
-    return array
+
+
+@dataclass(eq=False)
+class _Mapping:
+    mapping: mmap.mmap
+    owner: int
+    size: int
+
+
+class SharedMappings:
+    """A receiver's mappings of its peers' segments, kept open to be used again.
+
+    The senders' pools reuse segments, so mapping each one once (and keeping its
+    page tables) removes the map/unmap cost from every later message through it.
+    At most ``max_bytes`` stay mapped: the least recently used mappings that no
+    tensor uses any more are closed first. Mappings of a peer that is gone are
+    dropped from the cache (those still in use stay valid until freed).
+    """
+
+    def __init__(self, max_bytes: int = MAX_FREE_BYTES) -> None:
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, _Mapping] = OrderedDict()
+        self._bytes = 0
+
+    def map(
+        self, descriptor: bytes | memoryview, owner: int, on_free: Callable[[str], None]
+    ) -> np.ndarray[Any, Any]:
+        """The bytes a descriptor names; ``on_free(name)`` runs once nothing uses them."""
+        nbytes, name = _parse_descriptor(descriptor)
+        with self._lock:  # a mapping is closed only under the lock, when nothing uses it
+            cached = self._cache.get(name)
+            if cached is not None and cached.owner == owner and cached.size >= nbytes:
+                self._cache.move_to_end(name)
+                array = np.frombuffer(cached.mapping, dtype=np.uint8, count=nbytes)
+            else:
+                array = None
+        if array is None:
+            mapping = _map_segment(name, nbytes)
+            with self._lock:
+                previous = self._cache.pop(name, None)
+                if previous is not None:
+                    self._bytes -= previous.size
+                self._cache[name] = _Mapping(mapping, owner, len(mapping))
+                self._bytes += len(mapping)
+                array = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
+                self._trim()
+        weakref.finalize(array, on_free, name)
+        return array
+
+    def forget(self, owner: int) -> None:
+        """``owner`` is gone: drop its mappings (closing those no tensor uses)."""
+        with self._lock:
+            names = [name for name, m in self._cache.items() if m.owner == owner]
+            for name in names:
+                self._drop(name)
+
+    def describe(self) -> dict[str, int]:
+        with self._lock:
+            return {"mappings_cached": len(self._cache), "bytes_mapped": self._bytes}
+
+    def close(self) -> None:
+        with self._lock:
+            for name in list(self._cache):
+                self._drop(name)
+
+    def _trim(self) -> None:
+        """Close the least recently used mappings nothing uses until under the limit."""
+        for name in list(self._cache):
+            if self._bytes <= self._max_bytes:
+                return
+            entry = self._cache[name]
+            try:
+                entry.mapping.close()
+            except BufferError:
+                continue  # a tensor still uses it
+            del self._cache[name]
+            self._bytes -= entry.size
+
+    def _drop(self, name: str) -> None:
+        entry = self._cache.pop(name)
+        self._bytes -= entry.size
+        with contextlib.suppress(BufferError, ValueError):
+            entry.mapping.close()  # in use: unmapped when its last tensor goes
