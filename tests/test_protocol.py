@@ -25,6 +25,7 @@ import zmq
 import actorrpc as rpc
 from actorrpc.agent import current_agent
 from actorrpc.protocol import (
+    FLAG_RELEASES,
     FLAG_SHARED_MEMORY,
     HEADER_SIZE,
     MAGIC,
@@ -391,6 +392,11 @@ def _requests_answered_with_errors(tok: str) -> list[tuple[str, list[bytes]]]:
         ("", [header(MessageKind.CALL, nbuffers=0), marking_call(tok), b"b1", b"b2"]),  # extra
         ("", [header(MessageKind.CALL, nbuffers=65535), marking_call(tok)]),
         ("", [header(MessageKind.CALL, nbuffers=1), two_tensors, b"\x00" * 8]),  # too few buffers
+        (  # a release frame that is not ASCII segment names
+            "",
+            [encode_header(MessageKind.CALL, 0, 1, _BIG_ID, flags=FLAG_RELEASES),
+             marking_call(tok), b"\xff\xfe"],
+        ),
         (u + "1", [header(MessageKind.CALL), _unterminated_marking_pickle(u + "1")]),
         (u + "2", [header(MessageKind.CALL), pickle.dumps((MarkOnUnpickle(u + "2"),))]),
         (u + "3", [header(MessageKind.CALL), pickle.dumps(MarkOnUnpickle(u + "3"))]),

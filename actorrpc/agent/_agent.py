@@ -40,7 +40,7 @@ from ..errors import (
     ShutdownError,
     WorkerLeftError,
 )
-from ..protocol import Header, MessageKind, encode_header
+from ..protocol import FLAG_RELEASES, Header, MessageKind, encode_header
 from ..serialization import dumps, pickling_for
 from ..transport import Transport
 from ._calls import (
@@ -69,7 +69,7 @@ from ._observe import StatusPublisher, Tracer, WorkerStats, worker_snapshot
 from ._options import ZmqRpcBackendOptions
 from ._pool import STALL_SECONDS, WorkerPool
 from ._rendezvous import GroupMember, Rendezvous, choose_addresses
-from ._shared_buffers import SharedBuffers
+from ._shared_buffers import RELEASE_DELAY, SharedBuffers
 from ._shutdown import graceful_barriers, wait_until
 from ._worker_info import WorkerInfo
 
@@ -384,13 +384,11 @@ class Agent(MessageDispatcher):
         """Flow control: at most ``max_calls_in_flight_per_peer`` user calls to one peer.
 
         A caller beyond the limit waits (up to its timeout) for a reply to free a
-        slot, so a fast caller cannot queue unbounded work on a slow peer. The
-        I/O thread (or a thread whose turn it is on the inbox) and control
-        messages are never held back.
+        slot. Control messages and the threads that receive (the I/O thread, a
+        waiter in its turn on the inbox) are never held back.
         """
-        if kind not in _CREDITED_KINDS or threading.get_ident() == self.io_thread_ident:
-            return None
-        if self.inbox.held_by_current_thread():  # a callback run during a waiter's turn
+        me = threading.get_ident()
+        if kind not in _CREDITED_KINDS or me in (self.io_thread_ident, self.inbox.holder):
             return None
         credits = self._credits.get(dest.id)
         if credits is None:
@@ -468,19 +466,22 @@ class Agent(MessageDispatcher):
         buffers: list[Any],
     ) -> None:
         """Put one message on the link to ``member`` (whether or not it is in the table)."""
-        if not buffers:  # the common case: nothing that could go through shared memory
-            self._transport.link(member.identity, member.endpoint).send(
-                [encode_header(kind, 0, self.rank, message_id), body]
-            )
+        shared = self.shared
+        link = self._transport.link(member.identity, member.endpoint)
+        if not buffers and not shared.has_releases:  # the common case
+            link.send([encode_header(kind, 0, self.rank, message_id), body])
             self.stats.bytes_out[member.rank] += len(body)
             return
-        frames, flags, lent = self.shared.outgoing(member, body, buffers)
-        header = encode_header(kind, len(buffers), self.rank, message_id, flags)
+        frames, flags, lent = shared.outgoing(member, body, buffers)
+        released = [] if kind == MessageKind.MEMBERSHIP else shared.take_releases(member.rank)
+        if released:  # shared-memory segments of ``member`` we are done with ride along
+            frames.append(",".join(released).encode())
+            flags |= FLAG_RELEASES
         try:
-            self._transport.link(member.identity, member.endpoint).send([header, *frames])
+            link.send([encode_header(kind, len(buffers), self.rank, message_id, flags), *frames])
         except BaseException:
-            if lent:
-                self.shared.take_back(lent, member.rank)
+            shared.take_back(lent, member.rank)
+            shared.put_back_releases(member.rank, released)
             raise
         self.stats.bytes_out[member.rank] += len(body) + sum(b.nbytes for b in buffers)
 
@@ -502,9 +503,12 @@ class Agent(MessageDispatcher):
         self._expire_deadlines()
         self.liveness.check()
         self._pool.maintain()
+        self.shared.flush_stale()
 
     def _poll_timeout(self) -> float:
         limit = _MAX_POLL if self._pool.idle_or_empty() else STALL_SECONDS
+        if self.shared.has_releases:
+            limit = min(limit, RELEASE_DELAY)
         to_next = self._deadlines.seconds_to_next(time.monotonic())
         return limit if to_next is None else max(0.0, min(limit, to_next))
 

@@ -4,6 +4,7 @@ See :mod:`actorrpc.protocol._wire` for the specification.
 """
 
 from ._wire import (
+    FLAG_RELEASES,
     FLAG_SHARED_MEMORY,
     HEADER_SIZE,
     MAGIC,
@@ -16,6 +17,7 @@ from ._wire import (
 )
 
 __all__ = [
+    "FLAG_RELEASES",
     "FLAG_SHARED_MEMORY",
     "HEADER_SIZE",
     "MAGIC",

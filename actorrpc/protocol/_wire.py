@@ -27,7 +27,8 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
     0      2    magic       b"AR"
     2      1    version     PROTOCOL_VERSION (1)
     3      1    kind        a :class:`MessageKind`
-    4      2    flags       bit 0: FLAG_SHARED_MEMORY (see below); others 0
+    4      2    flags       bit 0: FLAG_SHARED_MEMORY, bit 1: FLAG_RELEASES
+                            (see below); others 0
     6      2    nbuffers    number of buffer frames after the payload
     8      4    sender      rank of the sending worker
     12     8    message id  unique per sender; a response echoes its request's id
@@ -74,8 +75,11 @@ the header has ``FLAG_SHARED_MEMORY`` set, that buffer's frame holds a
 descriptor (``!Q`` byte count, then the segment name ``actorrpc-<hex>``) and
 one more frame follows the buffers: the indexes of the descriptor frames among
 the buffers, as big-endian unsigned 16-bit integers. When nothing uses the
-mapping any more, the receiver sends ``SHM_RELEASE`` with the segment names to
-the sender, which may then reuse them.
+mapping any more, the receiver hands the segment names back to the sender,
+which may then reuse them: on the next message it sends to that worker anyway
+(header flag ``FLAG_RELEASES``: the message's last frame is the names, ASCII,
+comma-separated; allowed on every kind but ``MEMBERSHIP``), or, when no such
+message leaves within a few milliseconds, in a ``SHM_RELEASE`` notification.
 
 Membership messages
 -------------------
@@ -111,6 +115,7 @@ from typing import NamedTuple
 from ..errors import ProtocolError
 
 __all__ = [
+    "FLAG_RELEASES",
     "FLAG_SHARED_MEMORY",
     "HEADER_SIZE",
     "MAGIC",
@@ -128,7 +133,8 @@ _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535
 FLAG_SHARED_MEMORY = 1
-_KNOWN_FLAGS = FLAG_SHARED_MEMORY
+FLAG_RELEASES = 2
+_KNOWN_FLAGS = FLAG_SHARED_MEMORY | FLAG_RELEASES
 
 
 class MessageKind(enum.IntEnum):
