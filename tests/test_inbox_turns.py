@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +18,7 @@ from actorrpc.agent import current_agent
 from actorrpc.agent._inbox import BACKOFF_SECONDS, InboxTurns
 from actorrpc.errors import ActorRpcError, RpcTimeoutError
 
+from ._cluster import REPO_ROOT
 from ._waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -130,3 +136,59 @@ def test_error_type_of_a_deadlocking_wait_is_actorrpc_error(cluster: list[str]) 
     finally:
         agent.inbox.holder = None
     assert future.wait() == 5
+
+
+_SHUTDOWN_DURING_TURN = textwrap.dedent(
+    """
+    import threading, time
+    import actorrpc as rpc
+    from actorrpc.agent import current_agent
+
+    def wait_for_gate(gate):
+        return gate.local_value().wait(60)
+
+    group = rpc.local_workers(1)
+    gate = rpc.remote("worker1", threading.Event)
+    agent = current_agent()
+    outcome = {}
+
+    def waiter():
+        try:
+            turns = agent.inbox.turns
+            while agent.inbox.turns == turns:  # until this thread's waits take turns
+                rpc.rpc_sync("worker1", len, args=([1],))
+            outcome["value"] = rpc.rpc_sync("worker1", wait_for_gate, args=(gate,))
+        except Exception as exc:
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while agent.inbox.holder != thread.ident and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
+    print("turn held by the waiter:", agent.inbox.holder == thread.ident, flush=True)
+    started = time.monotonic()
+    rpc.shutdown(graceful=False)
+    thread.join(20)
+    print("waiter finished:", not thread.is_alive(), flush=True)
+    print("outcome:", outcome, flush=True)
+    print("within:", time.monotonic() - started < 10, flush=True)
+    for process in group.processes:
+        process.kill()
+    """
+)
+
+
+def test_shutdown_while_a_waiter_holds_the_inbox_fails_its_wait(tmp_path: Path) -> None:
+    script = tmp_path / "turn_shutdown.py"
+    script.write_text(_SHUTDOWN_DURING_TURN)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100,
+        env=dict(os.environ, PYTHONPATH=REPO_ROOT), cwd=tmp_path,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "turn held by the waiter: True" in output, output
+    assert "waiter finished: True" in output, output
+    assert "within: True" in output, output
+    assert "shut down before the call completed" in output or "stopped" in output, output
