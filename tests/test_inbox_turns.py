@@ -76,8 +76,8 @@ def test_threads_waiting_together_all_get_their_replies_without_stalls(
 
 
 def test_waiting_inside_a_callback_raises_instead_of_deadlocking(cluster: list[str]) -> None:
-    pending = rpc.rpc_async("worker2", _sleep_then, args=(1, 0.5))
-    fast = rpc.rpc_async("worker1", _plus_one, args=(1,))
+    pending = rpc.rpc_async("worker2", _sleep_then, args=(1, 1.0))
+    fast = rpc.rpc_async("worker1", _sleep_then, args=(2, 0.1))  # done after then() below
     chained = fast.then(lambda _: pending.wait())  # runs on whichever thread receives
     with pytest.raises(Exception, match="would deadlock"):
         chained.wait()
@@ -192,3 +192,23 @@ def test_shutdown_while_a_waiter_holds_the_inbox_fails_its_wait(tmp_path: Path) 
     assert "waiter finished: True" in output, output
     assert "within: True" in output, output
     assert "shut down before the call completed" in output or "stopped" in output, output
+
+
+def test_replies_for_a_thread_that_waits_without_turns_are_not_held_back(
+    cluster: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch.futures.wait_all waits in C++ (no turn on the inbox): the I/O thread, backing
+    # off after a sync call's turn, must notice the reply that waits and stay on the inbox
+    from actorrpc.agent import _inbox
+
+    monkeypatch.setattr(_inbox, "BACKOFF_SECONDS", 0.05)  # a long window: the reply lands in it
+    turns = current_agent().inbox
+    deadline = time.monotonic() + 20
+    while turns._no_backoff_until < time.monotonic() and time.monotonic() < deadline:
+        assert rpc.rpc_sync("worker1", _plus_one, args=(1,)) == 2  # a turn, then a back-off
+        assert torch.futures.wait_all([rpc.rpc_async("worker1", _plus_one, args=(2,))]) == [3]
+    assert turns._no_backoff_until > time.monotonic()
+    rpc.rpc_sync("worker1", _plus_one, args=(1,))
+    started = time.monotonic()
+    assert torch.futures.wait_all([rpc.rpc_async("worker1", _plus_one, args=(3,))]) == [4]
+    assert time.monotonic() - started < 0.05  # served at once, not after the back-off

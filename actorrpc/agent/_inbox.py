@@ -29,7 +29,9 @@ Invariants:
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]
 import logging
+import select
 import signal
 import threading
 import time
@@ -42,6 +44,7 @@ __all__ = ["BACKOFF_SECONDS", "InboxTurns"]
 
 _log = logging.getLogger("actorrpc.agent")
 BACKOFF_SECONDS = 0.001
+_STAY_SECONDS = 0.1
 _TURN_POLL = 0.05
 
 
@@ -56,6 +59,7 @@ class InboxTurns:
         self._count_lock = threading.Lock()
         self._io_ident: int | None = None
         self._last_waiter_turn = float("-inf")
+        self._no_backoff_until = float("-inf")
         self._resume = threading.Event()
 
     def held_by_current_thread(self) -> bool:
@@ -74,6 +78,8 @@ class InboxTurns:
         holder = self.holder
         if holder is not None and holder != self._io_ident:
             return BACKOFF_SECONDS  # a waiter is receiving
+        if now < self._no_backoff_until:
+            return 0.0
         return max(0.0, self._last_waiter_turn + BACKOFF_SECONDS - now)
 
     def resume(self) -> None:
@@ -85,16 +91,29 @@ class InboxTurns:
     def run_io_loop(self, agent: Agent) -> None:
         self._io_ident = threading.get_ident()
         receive = agent._transport.receive
+        arrivals = select.poll()  # the inbox's notification fd: readable when messages may wait
+        arrivals.register(agent._transport.inbox_fd, select.POLLIN)
+        backed_off = False
         while agent._running:
             try:
-                pause = self.io_pause(time.monotonic())
+                now = time.monotonic()
+                pause = self.io_pause(now)
                 if pause > 0:
+                    backed_off = True
                     agent._housekeeping()
-                    self._resume.wait(min(pause, agent._poll_timeout()))
+                    waiter_receiving = self.lock.locked()
+                    self._resume.wait(agent._poll_timeout() if waiter_receiving else pause)
                     self._resume.clear()
                     if self.blocked_waiters and not self.lock.locked():
                         self._last_waiter_turn = float("-inf")  # someone waits: take it now
                     continue
+                if backed_off:
+                    backed_off = False
+                    if arrivals.poll(0):
+                        # messages waited while nobody received: a thread waits without
+                        # taking turns (a C++ wait such as torch.futures.wait_all), so
+                        # stay on the inbox for a while
+                        self._no_backoff_until = now + _STAY_SECONDS
                 if not self.lock.acquire(timeout=BACKOFF_SECONDS):
                     agent._housekeeping()
                     continue
@@ -147,6 +166,7 @@ class InboxTurns:
 
 
 _MAIN_IDENT = threading.main_thread().ident
+_SIGINT = int(signal.SIGINT)
 
 
 class _SigintDeferral:
@@ -183,7 +203,7 @@ _deferral: _SigintDeferral | None = None
 def _defer_sigint(agent: Agent) -> _SigintDeferral | None:
     """Make SIGINT wait for the end of the main thread's turn (None: not possible here)."""
     global _deferral
-    current = signal.getsignal(signal.SIGINT)
+    current = _signal.getsignal(_SIGINT)  # the C function: signal.getsignal builds an enum
     if current is not _deferral or _deferral is None:
         wrapper = _SigintDeferral(current)
         try:

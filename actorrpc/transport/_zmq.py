@@ -169,6 +169,8 @@ class Transport:
         self._wake_tx.setsockopt(zmq.SNDHWM, 64)
         self._wake_tx.connect(local)
         self._timeout_ms = -2
+        # readable when the inbox may hold messages (ZMQ_FD); any thread may poll it
+        self.inbox_fd = int(self._inbox.getsockopt(zmq.FD))
 
     def _configure_server(self, socket: zmq.Socket[Any]) -> None:
         if self._security == "none":
