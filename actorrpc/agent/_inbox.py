@@ -20,6 +20,9 @@ Invariants:
   is free, else it blocks on its future as before (the holder completes it).
 * A message that arrives while nobody holds the inbox waits at most
   :data:`BACKOFF_SECONDS` (plus the I/O thread's wake-up) before it is received.
+  When one did wait (its receiver blocks without taking turns, e.g. in
+  ``torch.futures.wait_all``), the I/O thread stays on the inbox for
+  ``_STAY_SECONDS`` before it backs off again.
 * A turn ends when the future is done or the agent stops; a future completed by
   another thread (a timeout, a dead peer, shutdown) wakes the inbox so the turn
   ends promptly. While the main thread has a turn, SIGINT is deferred to the end
