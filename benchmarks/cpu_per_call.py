@@ -1,0 +1,120 @@
+"""CPU per call, thread by thread, on both workers: where a call's time goes.
+
+    python benchmarks/cpu_per_call.py [--mode sync|async|remote|echo] [--n 4000]
+                                      [--size BYTES] [--pin]
+
+Two spawned actorrpc workers; rank 0 makes ``--n`` calls of one kind to rank 1
+(after a warm-up) and prints the latency (median, p90, p99) and, for every
+thread of both processes that used CPU, its CPU time per call (from
+``/proc/self/task/*/stat``: user + system, 10 ms ticks, so use a few thousand
+calls). ``ZMQbg/IO`` threads are libzmq's own; ``python`` ones are the caller's
+main thread, the I/O thread and pool threads. ``--pin`` pins rank r to CPU r,
+as ``bench_rpc.py --pin split`` does. Figures are in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from _common import ensure_repo_on_path
+
+ensure_repo_on_path()
+
+
+def noop(*args: Any) -> None:
+    return None
+
+
+def echo(value: Any) -> Any:
+    return value
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds used so far by each thread of this process, keyed ``name:tid``."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    usage: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                name = comm.read().strip()
+        except OSError:
+            continue  # the thread ended meanwhile
+        usage[f"{name}:{tid}"] = (int(fields[11]) + int(fields[12])) / ticks
+    return usage
+
+
+def _report(side: str, before: dict[str, float], after: dict[str, float], n: int) -> None:
+    for thread in sorted(after):
+        used = after[thread] - before.get(thread, 0.0)
+        if used > 0:
+            print(f"  {side:6s} {thread:28s} {used / n * 1e6:7.1f} us/call")
+
+
+def _one_call(rpc: Any, mode: str, payload: Any) -> Any:
+    if mode == "sync":
+        return rpc.rpc_sync("worker1", noop)
+    if mode == "remote":
+        return rpc.remote("worker1", noop, args=(1,)).to_here()
+    return rpc.rpc_sync("worker1", echo, args=(payload,))
+
+
+def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool) -> None:
+    if pin:
+        os.sched_setaffinity(0, {rank})
+    import actorrpc as rpc
+
+    options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+    if rank == 0:
+        payload = torch.rand(max(1, size // 4))
+        for _ in range(300):
+            _one_call(rpc, "sync" if mode == "async" else mode, payload)
+        before, peer_before = thread_cpu(), rpc.rpc_sync("worker1", thread_cpu)
+        latencies: list[float] = []
+        started = time.perf_counter()
+        if mode == "async":
+            for future in [rpc.rpc_async("worker1", noop) for _ in range(n)]:
+                future.wait()
+        else:
+            for _ in range(n):
+                begin = time.perf_counter()
+                _one_call(rpc, mode, payload)
+                latencies.append(time.perf_counter() - begin)
+        elapsed = time.perf_counter() - started
+        after, peer_after = thread_cpu(), rpc.rpc_sync("worker1", thread_cpu)
+        line = f"{mode}: {n / elapsed:,.0f} calls/s"
+        if latencies:
+            latencies.sort()
+            line += (
+                f", median {statistics.median(latencies) * 1e6:.0f} us, "
+                f"p90 {latencies[int(n * 0.9)] * 1e6:.0f}, p99 {latencies[int(n * 0.99)] * 1e6:.0f}"
+            )
+        if mode == "echo":
+            line += f", {2 * size / statistics.median(latencies) / 1e9:.2f} GB/s"
+        print(line)
+        _report("caller", before, after, n)
+        _report("callee", peer_before, peer_after, n)
+    rpc.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("sync", "async", "remote", "echo"), default="sync")
+    parser.add_argument("--n", type=int, default=4000)
+    parser.add_argument("--size", type=int, default=1 << 20, help="echo payload bytes")
+    parser.add_argument("--pin", action="store_true", help="pin rank r to CPU r")
+    parser.add_argument("--port", type=int, default=29761)
+    args = parser.parse_args()
+    mp.spawn(_worker, args=(args.port, args.mode, args.n, args.size, args.pin), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
