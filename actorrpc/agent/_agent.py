@@ -479,7 +479,7 @@ class Agent(MessageDispatcher):
             flags |= FLAG_RELEASES
         try:
             link.send([encode_header(kind, len(buffers), self.rank, message_id, flags), *frames])
-        except BaseException:
+        except Exception:  # not sent (an interrupt may come after it left: nothing is undone)
             shared.take_back(lent, member.rank)
             shared.put_back_releases(member.rank, released)
             raise
@@ -583,8 +583,10 @@ class Agent(MessageDispatcher):
         if self._io_thread is not None and self._io_thread is not threading.current_thread():
             self._io_thread.join(5.0)
         # no thread may receive on the inbox any more (a waiter's turn ends within its poll)
-        if not self.inbox.held_by_current_thread() and not self.inbox.lock.acquire(timeout=5.0):
-            _log.warning("%s: a thread still receives on the inbox while stopping", self.name)
+        if not self.inbox.closed and not self.inbox.held_by_current_thread():
+            if not self.inbox.lock.acquire(timeout=5.0):
+                _log.warning("%s: a thread still receives on the inbox while stopping", self.name)
+            self.inbox.closed = True  # the lock stays taken: nobody receives again
         while not self._soon.empty():  # queued I/O work (deletes, releases) still goes out
             fn, args = self._soon.get_nowait()
             try:

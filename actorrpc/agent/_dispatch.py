@@ -271,7 +271,8 @@ class MessageDispatcher:
         if pending.dest.id != sender:
             self.warn(f"dropped a reply from rank {sender} to a call made to {pending.dest!r}")
             return
-        self._take_pending(message_id)
+        if self._take_pending(message_id) is None:
+            return  # its deadline expired meanwhile (replies and expiry run on different threads)
         if self.tracer.enabled:
             outcome = "error" if kind == MessageKind.EXCEPTION else "ok"
             self.tracer.call_done(message_id, sum(memoryview(p).nbytes for p in parts), outcome)

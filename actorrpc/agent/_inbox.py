@@ -59,11 +59,13 @@ class InboxTurns:
         self.holder: int | None = None  # thread ident while a thread holds the lock
         self.blocked_waiters = 0  # threads blocked on a future (not receiving)
         self.turns = 0  # turns taken by waiting threads (statistics)
+        self.stays = 0  # times the I/O thread found messages waiting after backing off
         self._count_lock = threading.Lock()
         self._io_ident: int | None = None
         self._last_waiter_turn = float("-inf")
         self._no_backoff_until = float("-inf")
         self._resume = threading.Event()
+        self.closed = False  # the agent stopped: the lock stays taken for good
 
     def held_by_current_thread(self) -> bool:
         return self.holder == threading.get_ident()
@@ -104,8 +106,9 @@ class InboxTurns:
                 if pause > 0:
                     backed_off = True
                     agent._housekeeping()
-                    waiter_receiving = self.lock.locked()
-                    self._resume.wait(agent._poll_timeout() if waiter_receiving else pause)
+                    # while a waiter receives, look again every back-off period: its turn
+                    # may end with nobody receiving (it does not wake this thread)
+                    self._resume.wait(min(pause, agent._poll_timeout()))
                     self._resume.clear()
                     if self.blocked_waiters and not self.lock.locked():
                         self._last_waiter_turn = float("-inf")  # someone waits: take it now
@@ -117,6 +120,7 @@ class InboxTurns:
                         # taking turns (a C++ wait such as torch.futures.wait_all), so
                         # stay on the inbox for a while
                         self._no_backoff_until = now + _STAY_SECONDS
+                        self.stays += 1
                 if not self.lock.acquire(timeout=BACKOFF_SECONDS):
                     agent._housekeeping()
                     continue
@@ -139,14 +143,17 @@ class InboxTurns:
         Returns whether the future is done; False if the inbox was busy (or the
         agent stopped), and the caller then waits on the future as usual.
         """
-        if not agent._running or not self.lock.acquire(blocking=False):
-            return False
         me = threading.get_ident()
-        self.holder = me
-        self.turns += 1
-        future._receiver = me
+        # SIGINT is deferred before the lock is taken: no KeyboardInterrupt may leave it held
         deferral = _defer_sigint(agent) if me == _MAIN_IDENT else None
+        if not agent._running or not self.lock.acquire(blocking=False):
+            if deferral is not None:
+                deferral.end_turn()
+            return False
         try:
+            self.holder = me
+            self.turns += 1
+            future._receiver = me
             receive = agent._transport.receive
             while not future._done and agent._running:
                 try:
@@ -207,6 +214,8 @@ def _defer_sigint(agent: Agent) -> _SigintDeferral | None:
     """Make SIGINT wait for the end of the main thread's turn (None: not possible here)."""
     global _deferral
     current = _signal.getsignal(_SIGINT)  # the C function: signal.getsignal builds an enum
+    if current is None:
+        return None  # a handler installed from C: leave it alone
     if current is not _deferral or _deferral is None:
         wrapper = _SigintDeferral(current)
         try:

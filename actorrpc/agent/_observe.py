@@ -165,6 +165,8 @@ def worker_snapshot(agent: Agent) -> dict[str, Any]:
         "pool_queued": agent._pool.queued(),
         "dead_peers": sorted(names.get(r, str(r)) for r in agent.liveness.dead_peers),
         "shared_memory": {**agent.shared.pool.describe(), **agent.shared.mappings.describe()},
+        "inbox_turns": agent.inbox.turns,  # waits that received their own reply
+        "inbox_stays": agent.inbox.stays,  # replies that waited for the I/O thread
     }
     for name, extension in agent.extensions.items():
         describe = getattr(extension, "debug_info", None)

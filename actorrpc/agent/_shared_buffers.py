@@ -52,7 +52,8 @@ class SharedBuffers:
         self.mappings = SharedMappings()
         self._releases: dict[int, list[str]] = {}  # owner rank -> names to hand back
         self._queued_at: dict[int, float] = {}  # owner rank -> when its first one was queued
-        self._freed_lock = threading.Lock()
+        # re-entrant: a finalizer may run (garbage collection) while this thread holds it
+        self._freed_lock = threading.RLock()
         self.closed = False
         agent.register_handler(MessageKind.SHM_RELEASE, self._handle_release, inline=True)
 
@@ -143,10 +144,7 @@ class SharedBuffers:
     def _freed_by(self, owner: int, name: str) -> None:
         if self.closed:
             return
-        if owner == self._agent.rank:
-            self.pool.release([name], owner)  # a call to ourselves
-            return
-        with self._freed_lock:
+        with self._freed_lock:  # only queued: the pool's lock may be held by this thread
             self._releases.setdefault(owner, []).append(name)
             self._queued_at.setdefault(owner, time.monotonic())
 
@@ -159,6 +157,9 @@ class SharedBuffers:
         agent = self._agent
         for owner in stale:
             names = self.take_releases(owner)
+            if owner == agent.rank:
+                self.pool.release(names, owner)  # segments we lent to ourselves
+                continue
             info = agent.members.infos.get(owner)
             if not names or info is None:
                 continue  # it left: its pool is gone

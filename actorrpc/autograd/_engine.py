@@ -63,7 +63,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from ..agent import Agent, CallRecord, IncomingRequest
+from ..agent import Agent, CallRecord, Future, IncomingRequest, complete
 from ..errors import DistAutogradError
 from ..protocol import MessageKind
 from ._context import (
@@ -265,22 +265,45 @@ class AutogradEngine:
             futures, _ = self._local_pass(ctx, nodes, list(roots), grad_outputs, reach,
                                           retain_graph, pass_id, reply_to=None)
             if futures:
-                initiator = threading.get_ident()
-
-                def submit(fn: Callable[..., None], *args: Any) -> None:
-                    # a reply received by this thread (its turn on the inbox while it
-                    # waits below) continues the pass here: no hand-off to the pool
-                    if threading.get_ident() == initiator:
-                        fn(*args)
-                    else:
-                        self.agent.submit(fn, *args)
-
-                driver = self._driver(ctx, retain_graph, pass_id, None, submit)
-                driver.add(futures, [])
-                driver.result.wait()  # raises the first error, once every part finished
+                self._drive_from_here(ctx, futures, retain_graph, pass_id)
         finally:
             with self._passes_lock:
                 self._passes -= 1
+
+    def _drive_from_here(self, ctx: DistAutogradContext, futures: list[torch.futures.Future],
+                         retain_graph: bool, pass_id: int) -> None:
+        """The initiator's wait: passes handed back to it run in its own thread.
+
+        A reply this thread receives while it waits (its turn on the inbox) hands
+        its passes over to run after the turn, here, not on the pool: no thread
+        hand-off, and nothing computes while holding the inbox (peers' messages
+        and liveness checks keep being received).
+        """
+        initiator = threading.get_ident()
+        queued: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        wake: list[Future[Any]] = [Future("distributed backward", self.agent)]
+
+        def submit(fn: Callable[..., None], *args: Any) -> None:
+            if threading.get_ident() == initiator:
+                queued.append((fn, args))
+                complete(wake[0])  # ends this thread's turn; it runs ``fn`` next
+            else:
+                self.agent.submit(fn, *args)
+
+        driver = self._driver(ctx, retain_graph, pass_id, None, submit)
+        driver.result.add_done_callback(lambda _: complete(wake[0]))
+        driver.add(futures, [])
+        while True:
+            while queued:
+                fn, args = queued.pop(0)
+                fn(*args)
+            if driver.result.done():
+                break
+            wake[0].wait()
+            wake[0] = Future("distributed backward", self.agent)
+            if driver.result.done():  # completed between the wait and the new wake future
+                complete(wake[0])
+        driver.result.wait()  # raises the first error, once every part finished
 
     def _driver(self, ctx: DistAutogradContext, retain_graph: bool, pass_id: int,
                 reply_to: int | None, submit: Callable[..., None] | None = None) -> PassDriver:

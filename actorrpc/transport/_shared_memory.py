@@ -57,6 +57,7 @@ __all__ = [
 
 SHM_DIRECTORY = "/dev/shm"
 MAX_FREE_BYTES = 1 << 30
+MAX_MAPPED_BYTES = 256 << 20  # a receiver's cached mappings of its peers' segments
 _NAME = re.compile(r"actorrpc-([0-9a-f]{1,8})-[0-9a-f]{24}")
 _SIZE = struct.Struct("!Q")
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -259,7 +260,7 @@ class SharedMappings:
     dropped from the cache (those still in use stay valid until freed).
     """
 
-    def __init__(self, max_bytes: int = MAX_FREE_BYTES) -> None:
+    def __init__(self, max_bytes: int = MAX_MAPPED_BYTES) -> None:
         self._max_bytes = max_bytes
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, _Mapping] = OrderedDict()
