@@ -356,7 +356,8 @@ class Agent(MessageDispatcher):
         message_id = next(self._message_ids)
         future: Future[Any] = Future(lambda: f"{description or kind.name} on {dest.name}", self)
         self._pending[message_id] = PendingCall(
-            future, dest, description, timeout, on_result, self._take_credit(dest, kind, timeout)
+            future, dest, description, timeout, on_result, self._take_credit(dest, kind, timeout),
+            kind,
         )
         if timeout > 0:
             self._deadlines.add(time.monotonic() + timeout, message_id)

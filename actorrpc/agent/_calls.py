@@ -78,7 +78,7 @@ class HandlerEntry:
 class PendingCall:
     """A request sent and not yet answered (one per message id)."""
 
-    __slots__ = ("credits", "description", "dest", "future", "on_result", "timeout")
+    __slots__ = ("credits", "description", "dest", "future", "kind", "on_result", "timeout")
 
     def __init__(
         self,
@@ -88,7 +88,9 @@ class PendingCall:
         timeout: float,
         on_result: Callable[[Any], Any] | None = None,
         credits: FlowCredits | None = None,
+        kind: MessageKind = MessageKind.CALL,
     ) -> None:
+        self.kind = kind
         self.future = future
         self.dest = dest
         self.description = description

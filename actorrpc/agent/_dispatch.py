@@ -43,6 +43,7 @@ from ._remote_exception import pack_exception, rebuild_exception
 from ._worker_info import WorkerInfo
 
 if TYPE_CHECKING:
+    from ._inbox import InboxTurns
     from ._liveness import LivenessMonitor
     from ._observe import Tracer, WorkerStats
     from ._pool import WorkerPool
@@ -53,6 +54,11 @@ __all__ = ["MessageDispatcher"]
 
 _log = logging.getLogger("actorrpc.agent")
 _WARN_INTERVAL = 5.0
+# replies a user may wait for (control replies, such as remote()'s creation ack or a
+# cleanup's, arrive after what is waited for and must not keep the I/O thread on the inbox)
+_AWAITED_KINDS = frozenset(
+    {MessageKind.CALL, MessageKind.RREF_FETCH, MessageKind.AUTOGRAD_BACKWARD}
+)
 
 
 class MessageDispatcher:
@@ -62,6 +68,7 @@ class MessageDispatcher:
     rank: int
     info: WorkerInfo
     liveness: LivenessMonitor
+    inbox: InboxTurns
     stats: WorkerStats
     tracer: Tracer
     _handlers: dict[MessageKind, HandlerEntry]
@@ -249,6 +256,8 @@ class MessageDispatcher:
                 ),
             )
             return
+        if self.inbox.probing:
+            self.inbox.stay()  # a request waited while nobody received
         with self._inflight_lock:
             self._inflight += 1
         self.stats.requests_served[header.sender] += 1
@@ -273,6 +282,8 @@ class MessageDispatcher:
             return
         if self._take_pending(message_id) is None:
             return  # its deadline expired meanwhile (replies and expiry run on different threads)
+        if self.inbox.probing and pending.kind in _AWAITED_KINDS:
+            self.inbox.stay()  # someone may be waiting for it without taking turns
         if self.tracer.enabled:
             outcome = "error" if kind == MessageKind.EXCEPTION else "ok"
             self.tracer.call_done(message_id, sum(memoryview(p).nbytes for p in parts), outcome)

@@ -20,9 +20,12 @@ Invariants:
   is free, else it blocks on its future as before (the holder completes it).
 * A message that arrives while nobody holds the inbox waits at most
   :data:`BACKOFF_SECONDS` (plus the I/O thread's wake-up) before it is received.
-  When one did wait (its receiver blocks without taking turns, e.g. in
-  ``torch.futures.wait_all``), the I/O thread stays on the inbox for
-  ``_STAY_SECONDS`` before it backs off again.
+  When a request or a reply someone may wait for (its receiver may block
+  without taking turns, e.g. in ``torch.futures.wait_all``) did wait, the I/O
+  thread stays on the inbox for ``_STAY_SECONDS`` before it backs off again;
+  control replies nobody waits for (``remote()``'s creation ack, a cleanup's)
+  do not count. While a waiter receives, the I/O thread looks again every
+  back-off period, since a turn may end with nobody receiving.
 * A turn ends when the future is done or the agent stops; a future completed by
   another thread (a timeout, a dead peer, shutdown) wakes the inbox so the turn
   ends promptly. While the main thread has a turn, SIGINT is deferred to the end
@@ -64,6 +67,7 @@ class InboxTurns:
         self._io_ident: int | None = None
         self._last_waiter_turn = float("-inf")
         self._no_backoff_until = float("-inf")
+        self.probing = False  # the I/O thread handles messages that waited during its back-off
         self._resume = threading.Event()
         self.closed = False  # the agent stopped: the lock stays taken for good
 
@@ -86,6 +90,11 @@ class InboxTurns:
         if now < self._no_backoff_until:
             return 0.0
         return max(0.0, self._last_waiter_turn + BACKOFF_SECONDS - now)
+
+    def stay(self) -> None:
+        """A message waited for the I/O thread: keep receiving instead of backing off."""
+        self._no_backoff_until = time.monotonic() + _STAY_SECONDS
+        self.stays += 1
 
     def resume(self) -> None:
         """End the I/O thread's back-off now (a waiter left while others block; shutdown)."""
@@ -113,22 +122,20 @@ class InboxTurns:
                     if self.blocked_waiters and not self.lock.locked():
                         self._last_waiter_turn = float("-inf")  # someone waits: take it now
                     continue
-                if backed_off:
-                    backed_off = False
-                    if arrivals.poll(0):
-                        # messages waited while nobody received: a thread waits without
-                        # taking turns (a C++ wait such as torch.futures.wait_all), so
-                        # stay on the inbox for a while
-                        self._no_backoff_until = now + _STAY_SECONDS
-                        self.stays += 1
+                # messages that waited while nobody received are probed as they are
+                # handled: a request, or a reply someone may wait for without taking
+                # turns (a C++ wait such as torch.futures.wait_all), makes it stay()
+                self.probing = backed_off and bool(arrivals.poll(0))
+                backed_off = False
                 if not self.lock.acquire(timeout=BACKOFF_SECONDS):
                     agent._housekeeping()
                     continue
                 self.holder = self._io_ident
                 try:
-                    for message in receive(agent._poll_timeout()):
+                    for message in receive(0.0 if self.probing else agent._poll_timeout()):
                         agent._on_message(message)
                 finally:
+                    self.probing = False
                     self.holder = None
                     self.lock.release()
                 agent._housekeeping()
