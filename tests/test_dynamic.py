@@ -113,6 +113,9 @@ def test_non_graceful_leave_and_last_member_shutdown(observed):
     assert observed["w0"]["returncode"] == 0
     assert observed["at_end"] == ["driver"]
     assert observed["driver_shutdown_seconds"] < 10
+    # a leave stops the agent's threads once: no wait for the inbox lock it already holds
+    assert observed["w2"]["shutdown_seconds"] < 4, observed["w2"]
+    assert observed["w0"]["shutdown_seconds"] < 4, observed["w0"]
 
 
 # --- the member table ------------------------------------------------------------------------
