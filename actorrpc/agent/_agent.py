@@ -352,7 +352,8 @@ class Agent(MessageDispatcher):
         if isinstance(dest, GroupMember):
             dest = self.members.infos.get(dest.rank) or WorkerInfo(dest.name, dest.rank)
         buffers = buffers or []
-        timeout = self.effective_timeout(timeout)
+        if timeout is None or timeout < 0:
+            timeout = self.options.rpc_timeout
         message_id = next(self._message_ids)
         future: Future[Any] = Future(lambda: f"{description or kind.name} on {dest.name}", self)
         self._pending[message_id] = PendingCall(
@@ -414,7 +415,11 @@ class Agent(MessageDispatcher):
     ) -> tuple[CallRecord, Callable[[Any], Any] | None]:
         """Run every hook's ``before_send``; return the call and the reply transform."""
         record = CallRecord(dest, {}, args, kwargs)
-        transforms = [t for t in (hook.before_send(record) for hook in self._hooks) if t]
+        transforms: list[Callable[[Any], Any]] = []
+        for hook in self._hooks:
+            transform = hook.before_send(record)
+            if transform:
+                transforms.append(transform)
         if not transforms:
             return record, None
         if len(transforms) == 1:

@@ -22,6 +22,7 @@ __all__ = ["Future", "complete"]
 T = TypeVar("T")
 
 _LIVENESS_CHECK_INTERVAL = 1.0
+_init_torch_future = torch._C.Future.__init__
 
 
 class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
@@ -31,7 +32,7 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
     """
 
     def __init__(self, description: Any = "", agent: Any = None) -> None:
-        super().__init__()
+        _init_torch_future(self, [])  # torch.futures.Future.__init__ without its Python layer
         self._done = False
         self._error: BaseException | None = None
         self._gate = _thread.allocate_lock()  # released once, when the future completes
