@@ -61,7 +61,7 @@ from ._dynamic_group import (
     leave_dynamic_group,
     send_left,
 )
-from ._futures import Future, complete
+from ._futures import Future
 from ._inbox import InboxTurns
 from ._liveness import LivenessMonitor
 from ._members import MemberTable
@@ -519,17 +519,7 @@ class Agent(MessageDispatcher):
         return limit if to_next is None else max(0.0, min(limit, to_next))
 
     def _expire_deadlines(self) -> None:
-        for message_id in self._deadlines.due(time.monotonic(), self._pending):
-            pending = self._take_pending(message_id)
-            if pending is not None:
-                complete(
-                    pending.future,
-                    error=RpcTimeoutError(
-                        f"RPC ran for more than set timeout ({int(pending.timeout * 1000)} ms) and "
-                        f"will now be marked with an error: {pending.description or 'call'} on "
-                        f"{pending.dest!r}"
-                    ),
-                )
+        self._deadlines.expire(self._pending, self._take_pending)
 
     # -- shutdown -------------------------------------------------------------------------------
 

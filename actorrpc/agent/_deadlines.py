@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import heapq
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
+
+from ..errors import RpcTimeoutError
+from ._futures import complete
 
 __all__ = ["Deadlines"]
 
@@ -45,3 +50,17 @@ class Deadlines:
                 if heap and heap[0][0] <= now:
                     expired.append(heapq.heappop(heap)[1])
         return expired
+
+    def expire(self, pending: dict[int, Any], take_pending: Callable[[int], Any]) -> None:
+        """Fail every pending call whose deadline passed with torch's timeout error."""
+        for message_id in self.due(time.monotonic(), pending):
+            call = take_pending(message_id)
+            if call is not None:
+                complete(
+                    call.future,
+                    error=RpcTimeoutError(
+                        f"RPC ran for more than set timeout ({int(call.timeout * 1000)} ms) and "
+                        f"will now be marked with an error: {call.description or 'call'} on "
+                        f"{call.dest!r}"
+                    ),
+                )
