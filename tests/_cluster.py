@@ -20,6 +20,23 @@ from collections.abc import Sequence
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def run_script(directory: str | os.PathLike[str], source: str, timeout: float) -> str:
+    """Run ``source`` as a script in a fresh interpreter (the repository importable).
+
+    Returns stdout and stderr together; fails the test (showing them) unless it exits 0.
+    """
+    script = os.path.join(directory, "script.py")
+    with open(script, "w") as file:
+        file.write(source)
+    done = subprocess.run(
+        [sys.executable, script], capture_output=True, text=True, timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=REPO_ROOT), cwd=directory,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    return output
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

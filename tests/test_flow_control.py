@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests._cluster import REPO_ROOT
+from tests._cluster import run_script
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,14 +36,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_flooding_caller_waits_for_slots_and_loses_nothing(tmp_path: Path) -> None:
-    script = tmp_path / "flood.py"
-    script.write_text(_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=110,
-        env=dict(os.environ, PYTHONPATH=REPO_ROOT), cwd=tmp_path,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
+    output = run_script(tmp_path, _SCRIPT, timeout=110)
     # the caller was held at the limit (the worker is slower than the caller) and
     # every call arrived and was answered exactly once, in order
     assert "peak: 50 all: True" in output, output

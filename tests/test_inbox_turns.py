@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -18,7 +15,7 @@ from actorrpc.agent import current_agent
 from actorrpc.agent._inbox import BACKOFF_SECONDS, InboxTurns
 from actorrpc.errors import ActorRpcError, RpcTimeoutError
 
-from ._cluster import REPO_ROOT
+from ._cluster import run_script
 from ._waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -181,14 +178,7 @@ _SHUTDOWN_DURING_TURN = textwrap.dedent(
 
 
 def test_shutdown_while_a_waiter_holds_the_inbox_fails_its_wait(tmp_path: Path) -> None:
-    script = tmp_path / "turn_shutdown.py"
-    script.write_text(_SHUTDOWN_DURING_TURN)
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=100,
-        env=dict(os.environ, PYTHONPATH=REPO_ROOT), cwd=tmp_path,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
+    output = run_script(tmp_path, _SHUTDOWN_DURING_TURN, timeout=100)
     assert "turn held by the waiter: True" in output, output
     assert "waiter finished: True" in output, output
     assert "within: True" in output, output
