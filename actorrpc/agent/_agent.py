@@ -352,8 +352,7 @@ class Agent(MessageDispatcher):
         if isinstance(dest, GroupMember):
             dest = self.members.infos.get(dest.rank) or WorkerInfo(dest.name, dest.rank)
         buffers = buffers or []
-        if timeout is None or timeout < 0:
-            timeout = self.options.rpc_timeout
+        timeout = self.effective_timeout(timeout)
         message_id = next(self._message_ids)
         future: Future[Any] = Future(lambda: f"{description or kind.name} on {dest.name}", self)
         self._pending[message_id] = PendingCall(
