@@ -25,7 +25,7 @@ import zmq
 import actorrpc as rpc
 from actorrpc.agent import current_agent
 from actorrpc.protocol import (
-    FLAG_RELEASES,
+    FLAG_RIDERS,
     FLAG_SHARED_MEMORY,
     HEADER_SIZE,
     MAGIC,
@@ -34,7 +34,9 @@ from actorrpc.protocol import (
     Header,
     MessageKind,
     decode_header,
+    decode_riders,
     encode_header,
+    encode_riders,
 )
 from actorrpc.serialization import dumps
 
@@ -106,6 +108,38 @@ def test_malformed_header_raises_protocol_error(frame, match):
     with pytest.raises(rpc.ProtocolError, match=match) as info:
         decode_header(frame)
     assert isinstance(info.value, ValueError) and isinstance(info.value, RuntimeError)
+
+
+def test_riders_roundtrip_in_order():
+    riders = [(MessageKind.RREF_USER_DELETE, b"abc"), (MessageKind.SHM_RELEASE, b""),
+              (MessageKind.RREF_USER_DELETE, b"x" * 70000)]
+    decoded = decode_riders(encode_riders([(int(k), b) for k, b in riders]))
+    assert [(k, bytes(b)) for k, b in decoded] == riders
+    assert all(isinstance(k, MessageKind) for k, _ in decoded)
+
+
+_DELETE = int(MessageKind.RREF_USER_DELETE)
+
+
+@pytest.mark.parametrize(
+    "frame, match",
+    [
+        (b"", "empty"),
+        (b"\x08\x00", "inside an entry header"),
+        (encode_riders([(_DELETE, b"abc")])[:-1], "declares 3 bytes but 2"),
+        (encode_riders([(_DELETE, b"abc")]) + b"\x08", "inside an entry header"),
+        (encode_riders([(int(MessageKind.RESPONSE), b"")]), "kind 2 cannot ride"),
+        (encode_riders([(int(MessageKind.EXCEPTION), b"")]), "kind 3 cannot ride"),
+        (encode_riders([(int(MessageKind.MEMBERSHIP), b"{}")]), "kind 13 cannot ride"),
+        (encode_riders([(0, b"")]), "kind 0 cannot ride"),
+        (encode_riders([(200, b"")]), "kind 200 cannot ride"),
+    ],
+    ids=["empty", "short-entry", "truncated-body", "trailing-byte", "response", "exception",
+         "membership", "kind-0", "kind-200"],
+)
+def test_malformed_riders_raise_protocol_error(frame, match):
+    with pytest.raises(rpc.ProtocolError, match=match):
+        decode_riders(frame)
 
 
 # --- helpers that run on worker1 ---------------------------------------------------------
@@ -199,6 +233,11 @@ def header(kind, nbuffers=0, sender=1, message_id=None) -> bytes:
 def shm_header() -> bytes:
     """A CALL header with one buffer, flagged as travelling in shared memory."""
     return encode_header(MessageKind.CALL, 1, 1, _BIG_ID, flags=FLAG_SHARED_MEMORY)
+
+
+def riders_header(kind: MessageKind = MessageKind.CALL) -> bytes:
+    """A header flagged as carrying notifications in its last frame."""
+    return encode_header(kind, 0, 1, _BIG_ID, flags=FLAG_RIDERS)
 
 
 def _descriptor(name: bytes) -> bytes:
@@ -392,10 +431,21 @@ def _requests_answered_with_errors(tok: str) -> list[tuple[str, list[bytes]]]:
         ("", [header(MessageKind.CALL, nbuffers=0), marking_call(tok), b"b1", b"b2"]),  # extra
         ("", [header(MessageKind.CALL, nbuffers=65535), marking_call(tok)]),
         ("", [header(MessageKind.CALL, nbuffers=1), two_tensors, b"\x00" * 8]),  # too few buffers
-        (  # a release frame that is not ASCII segment names
+        # notifications riding on a request: malformed riders frames
+        ("", [riders_header(), marking_call(tok)]),  # flagged, but no riders frame
+        ("", [riders_header(), marking_call(tok), b"\xff\xfe"]),
+        ("", [riders_header(), marking_call(tok), encode_riders([(2, pickle.dumps(None))])]),
+        (
             "",
-            [encode_header(MessageKind.CALL, 0, 1, _BIG_ID, flags=FLAG_RELEASES),
-             marking_call(tok), b"\xff\xfe"],
+            [riders_header(), marking_call(tok), encode_riders([(_DELETE, b"abc")])[:-1]],
+        ),
+        (  # a well-formed rider is handled (as a notification) before its carrier
+            u + "13",
+            [
+                riders_header(MessageKind.PING),
+                pickle.dumps(()),
+                encode_riders([(_DELETE, pickle.dumps((MarkOnUnpickle(u + "13"),)))]),
+            ],
         ),
         (u + "1", [header(MessageKind.CALL), _unterminated_marking_pickle(u + "1")]),
         (u + "2", [header(MessageKind.CALL), pickle.dumps((MarkOnUnpickle(u + "2"),))]),

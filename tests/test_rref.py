@@ -1198,3 +1198,42 @@ def test_user_deletes_are_notifications_and_still_reach_the_owner(cluster):
     while rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"] > before:
         assert time.monotonic() < deadline, "the owner never applied the deletes"
         threading.Event().wait(0.01)
+
+
+def test_user_deletes_ride_on_the_next_message_to_the_owner(cluster):
+    """Queued deletes travel on a message to the owner that leaves anyway (or on one flush)."""
+    from actorrpc.agent import current_agent
+
+    agent = current_agent()
+    owner = agent.resolve("worker1").id
+    before = rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"]
+    rrefs = [rpc.remote("worker1", torch.add, args=(torch.ones(1), i)) for i in range(20)]
+    assert [r.to_here().item() for r in rrefs] == [float(i + 1) for i in range(20)]
+    carried, sent = agent.riders.carried, agent.stats.calls_sent[owner]
+    del rrefs
+    after = rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"]  # carries the deletes
+    # 20 deletes took at most one message of their own (if the 10 ms flush came first)
+    assert agent.riders.carried - carried >= 19
+    assert agent.stats.calls_sent[owner] - sent <= 2
+    assert after == before or rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"] == before
+    assert rpc.get_worker_stats()["notifications"]["carried"] >= 19
+
+
+def test_queued_deletes_are_sent_alone_when_no_message_follows(cluster):
+    """With nothing else going to the owner, a delete leaves on its own within milliseconds."""
+    from actorrpc.agent import current_agent
+
+    agent = current_agent()
+    before = rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"]
+    rref = rpc.remote("worker1", torch.add, args=(torch.ones(1), 1))
+    assert rref.to_here().item() == 2.0
+    rpc.rpc_sync("worker1", debug_info)  # the creation is acknowledged by now
+    left = agent.riders.sent_alone + agent.riders.carried
+    del rref
+    deadline = time.monotonic() + WAIT
+    # alone, or on a message the agent sends by itself (a liveness ping)
+    while agent.riders.sent_alone + agent.riders.carried == left or agent.riders.pending:
+        assert time.monotonic() < deadline, "the queued delete was never sent"
+        threading.Event().wait(0.005)
+    # it left before this call, on the same link: the owner applied it first
+    assert rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"] == before

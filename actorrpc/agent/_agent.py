@@ -40,7 +40,7 @@ from ..errors import (
     ShutdownError,
     WorkerLeftError,
 )
-from ..protocol import FLAG_RELEASES, Header, MessageKind, encode_header
+from ..protocol import FLAG_RIDERS, Header, MessageKind, encode_header
 from ..serialization import dumps, pickling_for
 from ..transport import Transport
 from ._calls import (
@@ -54,13 +54,7 @@ from ._calls import (
 )
 from ._deadlines import Deadlines
 from ._dispatch import MessageDispatcher
-from ._dynamic_group import (
-    DynamicRendezvous,
-    handle_membership,
-    join_dynamic_group,
-    leave_dynamic_group,
-    send_left,
-)
+from ._dynamic_group import DynamicRendezvous, handle_membership, join_dynamic_group
 from ._futures import Future
 from ._inbox import InboxTurns
 from ._liveness import LivenessMonitor
@@ -69,8 +63,9 @@ from ._observe import StatusPublisher, Tracer, WorkerStats, worker_snapshot
 from ._options import ZmqRpcBackendOptions
 from ._pool import STALL_SECONDS, WorkerPool
 from ._rendezvous import GroupMember, Rendezvous, choose_addresses
-from ._shared_buffers import RELEASE_DELAY, SharedBuffers
-from ._shutdown import graceful_barriers, wait_until
+from ._riders import RIDER_DELAY, Riders
+from ._shared_buffers import SharedBuffers
+from ._shutdown import graceful_barriers, leave, wait_until
 from ._worker_info import WorkerInfo
 
 __all__ = [
@@ -164,6 +159,7 @@ class Agent(MessageDispatcher):
         self._suppressed_warnings = 0
         self.extensions: dict[str, Any] = {}
         self.inbox = InboxTurns()
+        self.riders = Riders(self)
         self._soon: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]]] = (
             queue.SimpleQueue()
         )
@@ -212,6 +208,14 @@ class Agent(MessageDispatcher):
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the I/O thread soon; safe from ``__del__`` and any thread."""
         self._soon.put((fn, args))
+
+    def notify_soon(self, rank: int, kind: MessageKind, payload: Any) -> None:
+        """Send a notification to ``rank`` on the next message to it, or alone within 10 ms.
+
+        For notifications nobody waits for (``payload``: plain tuples and lists of
+        scalars); safe from ``__del__``, finalizers and any thread.
+        """
+        self.riders.add(rank, kind, payload)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on a pool thread (work that computes: never on the I/O thread)."""
@@ -302,6 +306,7 @@ class Agent(MessageDispatcher):
         member = self.members.remove(rank)
         self.liveness.forget(rank)
         self.shared.peer_gone(rank)
+        self.riders.drop(rank)
         self._credits.pop(rank, None)
         if member is not None:
             self._transport.drop_link(member.identity)
@@ -372,12 +377,15 @@ class Agent(MessageDispatcher):
             self.tracer.call_sent(message_id, dest.id, description or kind.name, nbytes)
         return future
 
-    def notify(self, dest: WorkerInfo, kind: MessageKind, payload: Any) -> None:
-        """Send a notification (message id 0, never answered): an RRef delete, a release."""
-        with pickling_for(dest.id):
+    def send_notification(self, rank: int, kind: MessageKind, payload: Any) -> None:
+        """Send a notification (message id 0, never answered) now; see also :meth:`notify_soon`."""
+        with pickling_for(rank):
             body, buffers = dumps(payload, "arguments")
-        self._send(dest.id, kind, 0, body, buffers)
-        self.stats.calls_sent[dest.id] += 1
+        self._send(rank, kind, 0, body, buffers)
+        self.stats.calls_sent[rank] += 1
+
+    def is_member(self, rank: int) -> bool:
+        return rank in self._members
 
     def _take_credit(
         self, dest: WorkerInfo, kind: MessageKind, timeout: float
@@ -472,22 +480,24 @@ class Agent(MessageDispatcher):
     ) -> None:
         """Put one message on the link to ``member`` (whether or not it is in the table)."""
         shared = self.shared
+        riders = self.riders
         link = self._transport.link(member.identity, member.endpoint)
-        if not buffers and not shared.has_releases:  # the common case
+        if not buffers and not riders.pending:  # the common case
             link.send([encode_header(kind, 0, self.rank, message_id), body])
             self.stats.bytes_out[member.rank] += len(body)
             return
         frames, flags, lent = shared.outgoing(member, body, buffers)
-        released = [] if kind == MessageKind.MEMBERSHIP else shared.take_releases(member.rank)
-        if released:  # shared-memory segments of ``member`` we are done with ride along
-            frames.append(",".join(released).encode())
-            flags |= FLAG_RELEASES
+        carried = [] if kind == MessageKind.MEMBERSHIP else riders.take(member.rank)
+        if carried:  # queued notifications for ``member`` ride along
+            frames.append(riders.encode(carried))
+            flags |= FLAG_RIDERS
         try:
             link.send([encode_header(kind, len(buffers), self.rank, message_id, flags), *frames])
         except Exception:  # not sent (an interrupt may come after it left: nothing is undone)
             shared.take_back(lent, member.rank)
-            shared.put_back_releases(member.rank, released)
+            riders.put_back(member.rank, carried)
             raise
+        riders.carried += len(carried)
         self.stats.bytes_out[member.rank] += len(body) + sum(b.nbytes for b in buffers)
 
     @staticmethod
@@ -508,12 +518,12 @@ class Agent(MessageDispatcher):
         self._expire_deadlines()
         self.liveness.check()
         self._pool.maintain()
-        self.shared.flush_stale()
+        self.riders.flush()
 
     def _poll_timeout(self) -> float:
         limit = _MAX_POLL if self._pool.idle_or_empty() else STALL_SECONDS
-        if self.shared.has_releases:
-            limit = min(limit, RELEASE_DELAY)
+        if self.riders.pending:
+            limit = min(limit, RIDER_DELAY)
         to_next = self._deadlines.seconds_to_next(time.monotonic())
         return limit if to_next is None else max(0.0, min(limit, to_next))
 
@@ -527,8 +537,12 @@ class Agent(MessageDispatcher):
         return worker_snapshot(self)
 
     def idle(self) -> bool:
-        """No call pending (liveness PINGs aside) and no request being served."""
-        return len(self._pending) <= self.liveness.pings_in_flight() and self._inflight == 0
+        """No call pending (PINGs aside), no request being served, no notification queued."""
+        return (
+            len(self._pending) <= self.liveness.pings_in_flight()
+            and self._inflight == 0
+            and not self.riders.pending
+        )
 
     def wait_idle(self, deadline: float) -> bool:
         return wait_until(self.idle, deadline)
@@ -542,7 +556,7 @@ class Agent(MessageDispatcher):
         deadline = time.monotonic() + (budget if budget > 0 else 10**9)
         problems: list[str] = []
         if isinstance(self._rendezvous, DynamicRendezvous):
-            self._leave(self._rendezvous, graceful, deadline, problems)
+            leave(self, self._rendezvous, graceful, deadline, problems)
         elif graceful:
             try:
                 graceful_barriers(self, deadline, budget, problems)
@@ -551,24 +565,6 @@ class Agent(MessageDispatcher):
         self._close(graceful)
         if problems:
             raise ShutdownError(f"shutdown of {self.name!r} was not clean: " + "; ".join(problems))
-
-    def _leave(
-        self, rendezvous: DynamicRendezvous, graceful: bool, deadline: float, problems: list[str]
-    ) -> None:
-        """Leave a dynamic group; the others go on (see ``_dynamic_group``)."""
-        if graceful:
-            for hook in self._shutdown_hooks:
-                try:
-                    hook(deadline)
-                except Exception as exc:  # noqa: BLE001 - report every problem
-                    problems.append(str(exc))
-            problems.extend(leave_dynamic_group(self, rendezvous, deadline))
-            if not self.wait_idle(deadline):
-                problems.append("calls still pending: " + ", ".join(self.pending_destinations()))
-        else:
-            leave_dynamic_group(self, rendezvous, min(deadline, time.monotonic() + 1.0))
-        self._stop_threads()
-        send_left(self)
 
     def _stop_threads(self) -> None:
         self._status.stop()
@@ -588,6 +584,7 @@ class Agent(MessageDispatcher):
                 fn(*args)
             except Exception:  # noqa: BLE001 - best effort while closing
                 _log.debug("%s: queued work failed while closing", self.name, exc_info=True)
+        self.riders.flush(everything=True)
         self._pool.close()
 
     def _close(self, graceful: bool) -> None:

@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import DeserializationError, PeerUnreachableError, ProtocolError
-from ..protocol import RESPONSE_KINDS, Header, MessageKind, decode_header
+from ..protocol import (
+    FLAG_RIDERS,
+    RESPONSE_KINDS,
+    Header,
+    MessageKind,
+    decode_header,
+    decode_riders,
+)
 from ..serialization import dumps, loads, pickling_for, unpickling_from
 from ._calls import (
     CallHook,
@@ -231,8 +238,15 @@ class MessageDispatcher:
             len(message[2]) if len(message) == 3 else sum(len(f) for f in message[2:])
         )
         is_response = header.kind in RESPONSE_KINDS
+        riders: list[tuple[MessageKind, memoryview]] = []
         try:
-            parts = self.shared.incoming(header, message[2:])
+            frames = message[2:]
+            if header.flags & FLAG_RIDERS:  # notifications rode along in the last frame
+                if len(frames) < 2:
+                    raise ProtocolError("a message flagged with riders carries no riders frame")
+                riders = decode_riders(frames[-1].buffer)
+                frames = frames[:-1]
+            parts = self.shared.incoming(header, frames)
         except ProtocolError as error:
             pending = self._pending.get(header.message_id)
             if is_response and pending is not None and pending.dest.id == header.sender:
@@ -242,29 +256,34 @@ class MessageDispatcher:
             else:
                 self._reply_exception(header.sender, header.message_id, error)
             return
+        for kind, body in riders:  # handled before the message that carried them
+            self._on_request(kind, header.sender, 0, [body])
         if is_response:
             self._on_response(header.kind, header.sender, header.message_id, parts)
-            return
-        sender = self._infos[header.sender]
-        entry = self._handlers.get(header.kind)
+        else:
+            self._on_request(header.kind, header.sender, header.message_id, parts)
+
+    def _on_request(self, kind: MessageKind, sender_rank: int, message_id: int,
+                    parts: list[Any]) -> None:
+        """A request (``message_id`` 0: a notification) to its handler, inline or on the pool."""
+        entry = self._handlers.get(kind)
         if entry is None:
-            self._reply_exception(
-                header.sender,
-                header.message_id,
-                ProtocolError(
-                    f"worker {self.name!r} has no handler for message kind {header.kind.name}"
-                ),
-            )
+            error = ProtocolError(f"worker {self.name!r} has no handler for kind {kind.name}")
+            if message_id:
+                self._reply_exception(sender_rank, message_id, error)
+            else:
+                self.warn(f"dropped a notification from rank {sender_rank}: {error}")
             return
-        if self.inbox.probing:
+        if message_id and self.inbox.probing:
             self.inbox.stay()  # a request waited while nobody received
         with self._inflight_lock:
             self._inflight += 1
-        self.stats.requests_served[header.sender] += 1
+        self.stats.requests_served[sender_rank] += 1
+        sender = self._infos[sender_rank]
         if entry.inline:
-            self._serve(header.kind, sender, header.message_id, parts, entry)
+            self._serve(kind, sender, message_id, parts, entry)
         else:
-            self._pool.submit(self._serve, header.kind, sender, header.message_id, parts, entry)
+            self._pool.submit(self._serve, kind, sender, message_id, parts, entry)
 
     def _fail_pending(self, message_id: int, error: BaseException) -> None:
         pending = self._take_pending(message_id)

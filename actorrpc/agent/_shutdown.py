@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ._dynamic_group import DynamicRendezvous, leave_dynamic_group, send_left
 from ._rendezvous import Rendezvous
 
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["graceful_barriers", "wait_until"]
+__all__ = ["graceful_barriers", "leave", "wait_until"]
 
 
 def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: list[str]) -> None:
@@ -36,11 +37,7 @@ def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: li
     try:
         for tag in ("arrived", "idle", "done"):
             if tag == "idle":
-                for hook in agent._shutdown_hooks:
-                    try:
-                        hook(deadline)
-                    except Exception as exc:  # noqa: BLE001 - report every problem
-                        problems.append(str(exc))
+                _run_shutdown_hooks(agent, deadline, problems)
             if tag != "arrived" and not agent.wait_idle(deadline):
                 problems.append("calls still pending: " + ", ".join(agent.pending_destinations()))
             assert isinstance(agent._rendezvous, Rendezvous), "static groups only"
@@ -61,6 +58,30 @@ def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: li
     finally:
         for rank in sorted(dead_missing):
             problems.append(f"dead peer: {agent.liveness.dead_peers.get(rank, rank)}")
+
+
+def leave(
+    agent: Agent, rendezvous: DynamicRendezvous, graceful: bool, deadline: float,
+    problems: list[str],
+) -> None:
+    """Leave a dynamic group; the others go on (see ``_dynamic_group``)."""
+    if graceful:
+        _run_shutdown_hooks(agent, deadline, problems)
+        problems.extend(leave_dynamic_group(agent, rendezvous, deadline))
+        if not agent.wait_idle(deadline):
+            problems.append("calls still pending: " + ", ".join(agent.pending_destinations()))
+    else:
+        leave_dynamic_group(agent, rendezvous, min(deadline, time.monotonic() + 1.0))
+    agent._stop_threads()
+    send_left(agent)
+
+
+def _run_shutdown_hooks(agent: Agent, deadline: float, problems: list[str]) -> None:
+    for hook in agent._shutdown_hooks:
+        try:
+            hook(deadline)
+        except Exception as exc:  # noqa: BLE001 - report every problem
+            problems.append(str(exc))
 
 
 def wait_until(condition: Callable[[], bool], deadline: float) -> bool:

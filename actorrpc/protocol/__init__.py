@@ -4,7 +4,7 @@ See :mod:`actorrpc.protocol._wire` for the specification.
 """
 
 from ._wire import (
-    FLAG_RELEASES,
+    FLAG_RIDERS,
     FLAG_SHARED_MEMORY,
     HEADER_SIZE,
     MAGIC,
@@ -13,11 +13,13 @@ from ._wire import (
     Header,
     MessageKind,
     decode_header,
+    decode_riders,
     encode_header,
+    encode_riders,
 )
 
 __all__ = [
-    "FLAG_RELEASES",
+    "FLAG_RIDERS",
     "FLAG_SHARED_MEMORY",
     "HEADER_SIZE",
     "MAGIC",
@@ -26,5 +28,7 @@ __all__ = [
     "Header",
     "MessageKind",
     "decode_header",
+    "decode_riders",
     "encode_header",
+    "encode_riders",
 ]

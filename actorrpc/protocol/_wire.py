@@ -27,7 +27,7 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
     0      2    magic       b"AR"
     2      1    version     PROTOCOL_VERSION (1)
     3      1    kind        a :class:`MessageKind`
-    4      2    flags       bit 0: FLAG_SHARED_MEMORY, bit 1: FLAG_RELEASES
+    4      2    flags       bit 0: FLAG_SHARED_MEMORY, bit 1: FLAG_RIDERS
                             (see below); others 0
     6      2    nbuffers    number of buffer frames after the payload
     8      4    sender      rank of the sending worker
@@ -39,9 +39,9 @@ Every kind except ``RESPONSE`` and ``EXCEPTION`` is a *request* and is answered
 by exactly one ``RESPONSE`` (payload: the result) or ``EXCEPTION`` (payload: a
 ``RemoteExceptionInfo`` tuple) carrying the same message id, except a request
 with message id 0: that is a *notification* and is never answered
-(``RREF_USER_DELETE`` and ``SHM_RELEASE`` are sent as notifications, and the
-last ``MEMBERSHIP`` message of a leaving worker). Payloads are
-pickled tuples:
+(``RREF_USER_DELETE`` and ``SHM_RELEASE`` are sent as notifications, usually
+riding on another message, see below, and the last ``MEMBERSHIP`` message of a
+leaving worker). Payloads are pickled tuples:
 
 ========================  ==  ============================================================
 kind                      id  payload
@@ -76,10 +76,20 @@ descriptor (``!Q`` byte count, then the segment name ``actorrpc-<hex>``) and
 one more frame follows the buffers: the indexes of the descriptor frames among
 the buffers, as big-endian unsigned 16-bit integers. When nothing uses the
 mapping any more, the receiver hands the segment names back to the sender,
-which may then reuse them: on the next message it sends to that worker anyway
-(header flag ``FLAG_RELEASES``: the message's last frame is the names, ASCII,
-comma-separated; allowed on every kind but ``MEMBERSHIP``), or, when no such
-message leaves within a few milliseconds, in a ``SHM_RELEASE`` notification.
+which may then reuse them, in ``SHM_RELEASE`` notifications (which ride along,
+see below).
+
+Notifications riding on a message
+---------------------------------
+A notification nobody waits for (an RRef user's delete, a segment release)
+need not be a message of its own: the sender may append it to the next message
+it sends to that worker anyway. Then the header has ``FLAG_RIDERS`` set and the
+message's last frame (after the shared-memory index frame, if any) holds one or
+more notifications, each as ``!BI`` (kind, payload length) followed by that many
+payload bytes (the notification's pickled payload). The receiver handles them
+in order, as notifications from the sender (message id 0), before the message
+that carried them. They may ride on every kind but ``MEMBERSHIP``; a rider of a
+reply kind, of ``MEMBERSHIP`` or of an unknown kind makes the message malformed.
 
 Membership messages
 -------------------
@@ -115,7 +125,7 @@ from typing import NamedTuple
 from ..errors import ProtocolError
 
 __all__ = [
-    "FLAG_RELEASES",
+    "FLAG_RIDERS",
     "FLAG_SHARED_MEMORY",
     "HEADER_SIZE",
     "MAGIC",
@@ -124,7 +134,9 @@ __all__ = [
     "Header",
     "MessageKind",
     "decode_header",
+    "decode_riders",
     "encode_header",
+    "encode_riders",
 ]
 
 MAGIC = b"AR"
@@ -133,8 +145,9 @@ _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535
 FLAG_SHARED_MEMORY = 1
-FLAG_RELEASES = 2
-_KNOWN_FLAGS = FLAG_SHARED_MEMORY | FLAG_RELEASES
+FLAG_RIDERS = 2
+_KNOWN_FLAGS = FLAG_SHARED_MEMORY | FLAG_RIDERS
+_RIDER = struct.Struct("!BI")
 
 
 class MessageKind(enum.IntEnum):
@@ -196,3 +209,37 @@ def decode_header(frame: bytes | memoryview) -> Header:
     if flags & ~_KNOWN_FLAGS:
         raise ProtocolError(f"unknown header flags {flags:#06x}")
     return Header(message_kind, nbuffers, sender, message_id, flags)
+
+
+_NOT_RIDERS = frozenset({2, 3, 13})  # RESPONSE, EXCEPTION, MEMBERSHIP
+
+
+def encode_riders(riders: list[tuple[int, bytes]]) -> bytes:
+    """The frame carrying notifications ``(kind, pickled payload)`` on another message."""
+    parts: list[bytes] = []
+    for kind, body in riders:
+        parts.append(_RIDER.pack(kind, len(body)))
+        parts.append(body)
+    return b"".join(parts)
+
+
+def decode_riders(frame: bytes | memoryview) -> list[tuple[MessageKind, memoryview]]:
+    """The notifications in a riders frame, raising :class:`ProtocolError` if malformed."""
+    view = memoryview(frame)
+    riders: list[tuple[MessageKind, memoryview]] = []
+    offset, end = 0, len(view)
+    if not end:
+        raise ProtocolError("a message flagged with riders carries an empty riders frame")
+    while offset < end:
+        if end - offset < _RIDER.size:
+            raise ProtocolError("a riders frame ends inside an entry header")
+        kind, length = _RIDER.unpack_from(view, offset)
+        offset += _RIDER.size
+        message_kind = _KIND_BY_VALUE.get(kind)
+        if message_kind is None or kind in _NOT_RIDERS:
+            raise ProtocolError(f"message kind {kind} cannot ride on another message")
+        if length > end - offset:
+            raise ProtocolError(f"a rider declares {length} bytes but {end - offset} follow")
+        riders.append((message_kind, view[offset : offset + length]))
+        offset += length
+    return riders

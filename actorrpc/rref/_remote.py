@@ -342,14 +342,6 @@ def _handle_user_delete(agent: Agent, request: IncomingRequest) -> None:
     rref_context(agent).on_user_delete(rref_id, fork_id)
 
 
-def _send_user_delete(agent: Agent, owner: int, rref_id: Any, fork_id: Any) -> None:
-    try:
-        # a notification: the owner's tables are all that change, nobody waits
-        agent.notify(agent.resolve(owner), MessageKind.RREF_USER_DELETE, (rref_id, fork_id))
-    except Exception as exc:  # noqa: BLE001 - the owner is gone or we are closing
-        _log.warning("cannot tell worker %s that fork %s was deleted: %s", owner, fork_id, exc)
-
-
 SHUTDOWN_RREF_WAIT_LIMIT = 100.0
 """Most seconds graceful shutdown waits for RRef deletes (torch waits 100 s)."""
 DYNAMIC_LEAVE_FORK_WAIT = 1.0
@@ -391,9 +383,10 @@ def _shutdown_rrefs(agent: Agent, ctx: RRefContext, deadline: float) -> None:
 
 def _install(agent: Agent) -> None:
     def send_control(dest: int, kind: str, payload: tuple[Any, ...]) -> None:
-        # Runs on the I/O thread: safe from __del__ and under the context's lock.
+        # Safe from __del__ and under the context's lock: only queued. A delete rides on
+        # the next message to the owner (or goes alone within 10 ms): nobody waits for it.
         if kind == USER_DELETE:
-            agent.call_soon(_send_user_delete, agent, dest, *payload)
+            agent.notify_soon(dest, MessageKind.RREF_USER_DELETE, payload)
         elif kind == CHILD_ACCEPT:
             agent.call_soon(send_child_accept, agent, dest, *payload)
         else:  # pragma: no cover - the context sends no other kind
