@@ -6,13 +6,15 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 import actorrpc as rpc
 from actorrpc.agent import current_agent
-from actorrpc.agent._inbox import BACKOFF_SECONDS, InboxTurns
+from actorrpc.agent._inbox import BACKOFF_SECONDS, LONG_TURN_SECONDS, InboxTurns
 from actorrpc.errors import ActorRpcError, RpcTimeoutError
 
 from ._cluster import run_script
@@ -107,9 +109,45 @@ def test_io_thread_backs_off_only_after_serving_a_waiter() -> None:
     turns.waiter_served()
     assert 0 < turns.io_pause(time.monotonic()) <= BACKOFF_SECONDS
     assert turns.io_pause(time.monotonic() + 2 * BACKOFF_SECONDS) == 0.0  # not back: take it
+    turns._turn_started = now = time.monotonic()
     turns.holder = threading.get_ident()  # a waiter receives
-    assert turns.io_pause(time.monotonic() + 10) == BACKOFF_SECONDS
+    assert turns.io_pause(now + BACKOFF_SECONDS / 2) == BACKOFF_SECONDS  # look again soon
+    # a long turn wakes the I/O thread when it ends: meanwhile it sleeps
+    assert turns.io_pause(now + 2 * LONG_TURN_SECONDS) == float("inf")
     assert turns.held_by_current_thread()
+
+
+class _OneTurnAgent:
+    """Just enough of an agent for one turn: its first receive completes the future."""
+
+    _running = True
+
+    def __init__(self, future: Any) -> None:
+        def receive(timeout: float) -> list[Any]:
+            future._done = True
+            return []
+
+        self._transport = SimpleNamespace(receive=receive)
+
+    def _on_message(self, message: Any) -> None:
+        raise AssertionError("no message arrives")
+
+    def wake_inbox(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("long_turn", [True, False])
+def test_only_a_long_turn_wakes_the_io_thread_when_it_ends(
+    long_turn: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorrpc.agent import _inbox
+
+    monkeypatch.setattr(_inbox, "LONG_TURN_SECONDS", 0.0 if long_turn else 1e9)
+    turns = InboxTurns()
+    future = SimpleNamespace(_done=False, _receiver=None)
+    assert turns.receive_until(_OneTurnAgent(future), future) is True  # type: ignore[arg-type]
+    assert turns._resume.is_set() is long_turn  # a short turn leaves the I/O thread be
+    assert not turns.lock.locked() and turns.holder is None
 
 
 def test_a_stopped_agent_refuses_turns() -> None:
@@ -146,25 +184,39 @@ _SHUTDOWN_DURING_TURN = textwrap.dedent(
         return gate.local_value().wait(60)
 
     group = rpc.local_workers(1)
-    gate = rpc.remote("worker1", threading.Event)
+    # the waiter's long call may find the I/O thread on the inbox (then that thread serves
+    # it, no turn): the gate of such an attempt is opened and the waiter tries again
+    gates = [rpc.remote("worker1", threading.Event) for _ in range(5)]
     agent = current_agent()
     outcome = {}
+    attempt = [-1]
 
     def waiter():
         try:
-            turns = agent.inbox.turns
-            while agent.inbox.turns == turns:  # until this thread's waits take turns
-                rpc.rpc_sync("worker1", len, args=([1],))
-            outcome["value"] = rpc.rpc_sync("worker1", wait_for_gate, args=(gate,))
+            for index, gate in enumerate(gates):
+                turns = agent.inbox.turns
+                while agent.inbox.turns == turns:  # until this thread's waits take turns
+                    rpc.rpc_sync("worker1", len, args=([1],))
+                attempt[0] = index
+                outcome["value"] = rpc.rpc_sync("worker1", wait_for_gate, args=(gate,))
         except Exception as exc:
             outcome["error"] = f"{type(exc).__name__}: {exc}"
 
     thread = threading.Thread(target=waiter)
     thread.start()
-    deadline = time.monotonic() + 30
-    while agent.inbox.holder != thread.ident and time.monotonic() < deadline:
-        threading.Event().wait(0.01)
-    print("turn held by the waiter:", agent.inbox.holder == thread.ident, flush=True)
+    held = False
+    for index, gate in enumerate(gates):
+        deadline = time.monotonic() + 20
+        while attempt[0] < index and thread.is_alive() and time.monotonic() < deadline:
+            threading.Event().wait(0.01)
+        deadline = time.monotonic() + 2
+        while agent.inbox.holder != thread.ident and time.monotonic() < deadline:
+            threading.Event().wait(0.01)
+        held = agent.inbox.holder == thread.ident
+        if held:
+            break
+        gate.rpc_sync().set()
+    print("turn held by the waiter:", held, "attempt", attempt[0], flush=True)
     started = time.monotonic()
     rpc.shutdown(graceful=False)
     thread.join(20)

@@ -25,7 +25,9 @@ Invariants:
   thread stays on the inbox for ``_STAY_SECONDS`` before it backs off again;
   control replies nobody waits for (``remote()``'s creation ack, a cleanup's)
   do not count. While a waiter receives, the I/O thread looks again every
-  back-off period, since a turn may end with nobody receiving.
+  back-off period, since a turn may end with nobody receiving; once a turn has
+  lasted :data:`LONG_TURN_SECONDS` it sleeps instead (bar its timed work), and
+  that turn wakes it when it ends.
 * A turn ends when the future is done or the agent stops; a future completed by
   another thread (a timeout, a dead peer, shutdown) wakes the inbox so the turn
   ends promptly. While the main thread has a turn, SIGINT is deferred to the end
@@ -46,12 +48,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["BACKOFF_SECONDS", "InboxTurns"]
+__all__ = ["BACKOFF_SECONDS", "LONG_TURN_SECONDS", "InboxTurns"]
 
 _log = logging.getLogger("actorrpc.agent")
 BACKOFF_SECONDS = 0.001
 _STAY_SECONDS = 0.1
 _TURN_POLL = 0.05
+LONG_TURN_SECONDS = 0.01
+"""A turn this old wakes the I/O thread when it ends; meanwhile that thread sleeps."""
 
 
 class InboxTurns:
@@ -66,6 +70,7 @@ class InboxTurns:
         self._count_lock = threading.Lock()
         self._io_ident: int | None = None
         self._last_waiter_turn = float("-inf")
+        self._turn_started = 0.0  # when the current waiter's turn began
         self._no_backoff_until = float("-inf")
         self.probing = False  # the I/O thread handles messages that waited during its back-off
         self._resume = threading.Event()
@@ -84,8 +89,11 @@ class InboxTurns:
 
     def io_pause(self, now: float) -> float:
         """Seconds the I/O thread should stay off the inbox (0: take it)."""
+        started = self._turn_started  # read before the holder: set before it (see receive_until)
         holder = self.holder
         if holder is not None and holder != self._io_ident:
+            if now - started >= LONG_TURN_SECONDS:
+                return float("inf")  # a long turn: it wakes this thread when it ends
             return BACKOFF_SECONDS  # a waiter is receiving
         if now < self._no_backoff_until:
             return 0.0
@@ -157,6 +165,7 @@ class InboxTurns:
             if deferral is not None:
                 deferral.end_turn()
             return False
+        started = self._turn_started = time.monotonic()  # before the holder (io_pause)
         try:
             self.holder = me
             self.turns += 1
@@ -173,9 +182,9 @@ class InboxTurns:
         finally:
             future._receiver = None
             self.holder = None
-            self._last_waiter_turn = time.monotonic()
+            ended = self._last_waiter_turn = time.monotonic()
             self.lock.release()
-            if self.blocked_waiters:
+            if self.blocked_waiters or ended - started >= LONG_TURN_SECONDS:
                 self.resume()
             if deferral is not None:
                 deferral.end_turn()
