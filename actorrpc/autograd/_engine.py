@@ -77,6 +77,7 @@ from ._context import (
 from ._functions import (
     Reach,
     find_grad_tensors,
+    gradients_at,
     make_recv_outputs,
     make_send_aliases,
     reach_from,
@@ -340,8 +341,7 @@ class AutogradEngine:
         if not inputs:
             return [], []
         # retain_graph=True always: another message of this pass may cross this subgraph.
-        grads = torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True,
-                                    allow_unused=True)
+        grads = gradients_at(outputs, inputs, grad_outputs)
         for leaf, grad in zip(reach.leaves, grads):
             if grad is not None:
                 ctx.accumulate(leaf, grad)
