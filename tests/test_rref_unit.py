@@ -795,3 +795,35 @@ def test_random_programs_random_orders(data: Any, duplicate: bool) -> None:
     choices = data.draw(st.lists(st.integers(0, 1000), min_size=60, max_size=60), label="order")
     stream: Iterator[int] = itertools.chain(choices, itertools.repeat(0))
     run_schedule(scenario, lambda n: next(stream) % n, duplicate)
+
+
+# -- the owner's fetch timers ----------------------------------------------------------------
+
+
+def test_cancelled_fetch_timers_never_run_and_live_ones_do() -> None:
+    import threading
+
+    from actorrpc.rref._remote import _Timers
+
+    timers = _Timers()
+    ran: list[str] = []
+    done = threading.Event()
+    cancelled = [timers.call_later(0.0, lambda: ran.append("cancelled")) for _ in range(3)]
+    for timer in cancelled:
+        timer.cancel()
+    timers.call_later(0.01, lambda: (ran.append("live"), done.set()))
+    assert done.wait(10), "a live timer never ran"
+    assert ran == ["live"]
+
+
+def test_fetch_timers_answered_in_time_do_not_pile_up() -> None:
+    from actorrpc.rref._remote import _PRUNE_AT, _Timers
+
+    timers = _Timers()
+    for _ in range(10 * _PRUNE_AT):  # a stream of fetches, each answered at once
+        timers.call_later(3600.0, lambda: None).cancel()
+    assert timers.pending() <= _PRUNE_AT + 1
+    live = [timers.call_later(3600.0, lambda: None) for _ in range(3 * _PRUNE_AT)]
+    for _ in range(10 * _PRUNE_AT):
+        timers.call_later(3600.0, lambda: None).cancel()
+    assert len(live) <= timers.pending() <= 2 * len(live) + _PRUNE_AT  # live ones are kept

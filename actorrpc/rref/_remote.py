@@ -178,40 +178,81 @@ def _release_self_owner(ctx: RRefContext, rref_id: GloballyUniqueId, fork_id: An
         ctx.release_if_unforked(rref_id)
 
 
+class _Timer:
+    """A delayed callback; :meth:`cancel` before it is due and it never runs."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback: Callable[[], None] | None = callback
+
+    def cancel(self) -> None:
+        self.callback = None
+
+
+_PRUNE_AT = 4096
+
+
 class _Timers:
-    """One daemon thread that runs delayed callbacks (the owner's limit on a fetch)."""
+    """One daemon thread that runs delayed callbacks (the owner's limit on a fetch).
+
+    Most timers are cancelled long before they are due (a fetch answered in
+    time): cancelled entries at the head are dropped without waking the thread
+    for them, and the heap is rebuilt without cancelled entries whenever it has
+    doubled since the last rebuild, so a stream of fetches costs neither memory
+    nor wake-ups for the full limit.
+    """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._heap: list[tuple[float, int, _Timer]] = []
         self._cond = threading.Condition()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._prune_at = _PRUNE_AT
 
-    def call_later(self, delay: float, callback: Callable[[], None]) -> None:
+    def call_later(self, delay: float, callback: Callable[[], None]) -> _Timer:
+        timer = _Timer(callback)
         with self._cond:
-            entry = (time.monotonic() + delay, next(self._ids), callback)
-            heapq.heappush(self._heap, entry)
+            heap = self._heap
+            if len(heap) >= self._prune_at:
+                heap[:] = [entry for entry in heap if entry[2].callback is not None]
+                heapq.heapify(heap)
+                self._prune_at = max(_PRUNE_AT, 2 * len(heap))
+            entry = (time.monotonic() + delay, next(self._ids), timer)
+            heapq.heappush(heap, entry)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="actorrpc-rref-timers", daemon=True
                 )
                 self._thread.start()
-            if self._heap[0] is entry:  # otherwise the thread already wakes up earlier
+            if heap[0] is entry:  # otherwise the thread already wakes up earlier
                 self._cond.notify()
+        return timer
+
+    def pending(self) -> int:
+        """Timers in the heap, cancelled ones not yet dropped included."""
+        with self._cond:
+            return len(self._heap)
 
     def _run(self) -> None:
+        heap = self._heap
         while True:
             with self._cond:
-                while not self._heap:
+                while heap and heap[0][2].callback is None:
+                    heapq.heappop(heap)  # cancelled: nothing to wait for
+                if not heap:
                     self._cond.wait()
-                when, _, callback = self._heap[0]
+                    continue
+                when, _, timer = heap[0]
                 delay = when - time.monotonic()
                 if delay > 0:
                     self._cond.wait(delay)
                     continue
-                heapq.heappop(self._heap)
+                heapq.heappop(heap)
+                callback, timer.callback = timer.callback, None
             try:
-                callback()
+                if callback is not None:
+                    callback()
             except Exception:  # noqa: BLE001 - a timer must never stop the others
                 _log.exception("error in an RRef timer")
 
@@ -239,6 +280,7 @@ class _Fetch:
     ) -> None:
         self.lock = threading.Lock()
         self.meta = meta
+        self.timer: _Timer | None = None  # the limit, cancelled once replied
         self._parts: tuple[Agent, IncomingRequest, OwnerState, Any] | None = (
             agent, request, state, reply
         )
@@ -256,6 +298,8 @@ class _Fetch:
         parts = self._take()
         if parts is None:
             return
+        if self.timer is not None:
+            self.timer.cancel()
         agent, request, state, reply = parts
         error = state.error()
         if error is not None:
@@ -298,7 +342,7 @@ def _handle_fetch(agent: Agent, request: IncomingRequest) -> Any:
     reply: torch.futures.Future[Any] = torch.futures.Future()
     fetch = _Fetch(agent, request, meta, state, reply)
     if not state.is_ready() and limit > 0:
-        _timers.call_later(limit, lambda: fetch.expire(limit))
+        fetch.timer = _timers.call_later(limit, lambda: fetch.expire(limit))
     state.ready.add_done_callback(fetch.deliver)
     return reply
 
