@@ -267,6 +267,24 @@ def test_graph_recorded_only_for_tensors_requiring_grad(workers: list[str]) -> N
     assert result.requires_grad and result.grad_fn is None
 
 
+@pytest.mark.timeout(60)
+def test_gradients_of_the_wrong_shape_from_a_peer_are_refused(workers: list[str]) -> None:
+    # the engine itself would only check that a gradient broadcasts (and sum it)
+    from actorrpc.agent import current_agent
+    from actorrpc.autograd._engine import engine_of
+
+    t1, t2 = _leaves((3, 3), (3, 3))
+    with dist_autograd.context() as context_id:
+        rpc.rpc_sync("worker1", torch.add, args=(t1, t2))
+        engine = engine_of(current_agent())
+        ctx = engine.store.retrieve(context_id)
+        (message_id,) = dist_autograd._current_context()._send_functions()
+        wrong = [torch.ones(2, 3, 3), torch.ones(3, 3)]  # broadcasts to (3, 3)
+        with pytest.raises(DistAutogradError, match=r"shape \(2, 3, 3\) for a tensor of shape"):
+            engine._continue_at(ctx, message_id, wrong, False, 1, None)
+        assert t1.grad is None and dist_autograd.get_gradients(context_id) == {}
+
+
 # -- backward correctness ------------------------------------------------------------------------
 
 

@@ -88,6 +88,8 @@ def test_too_many_buffers_rejected():
         (b"AR", "2 bytes"),
         (_RAW.pack(b"AR", 1, 1, 0, 0, 0, 1)[:19], "19 bytes"),
         (_RAW.pack(b"AR", 1, 1, 0, 0, 0, 1) + b"\x00", "21 bytes"),
+        (_RAW.pack(b"AR", 1, 1, 2, 0, 0, 1), "unknown header flags"),  # retired bit 1
+        (_RAW.pack(b"AR", 1, 1, 8, 0, 0, 1), "unknown header flags"),
     ],
     ids=[
         "bad-magic",
@@ -102,6 +104,8 @@ def test_too_many_buffers_rejected():
         "magic-only",
         "short",
         "long",
+        "retired-flag",
+        "unknown-flag",
     ],
 )
 def test_malformed_header_raises_protocol_error(frame, match):
@@ -133,9 +137,11 @@ _DELETE = int(MessageKind.RREF_USER_DELETE)
         (encode_riders([(int(MessageKind.MEMBERSHIP), b"{}")]), "kind 13 cannot ride"),
         (encode_riders([(0, b"")]), "kind 0 cannot ride"),
         (encode_riders([(200, b"")]), "kind 200 cannot ride"),
+        (encode_riders([(int(MessageKind.CALL), b"")]), "kind 1 cannot ride"),
+        (encode_riders([(int(MessageKind.PING), b"")]), "kind 11 cannot ride"),
     ],
     ids=["empty", "short-entry", "truncated-body", "trailing-byte", "response", "exception",
-         "membership", "kind-0", "kind-200"],
+         "membership", "kind-0", "kind-200", "call", "ping"],
 )
 def test_malformed_riders_raise_protocol_error(frame, match):
     with pytest.raises(rpc.ProtocolError, match=match):
@@ -438,6 +444,17 @@ def _requests_answered_with_errors(tok: str) -> list[tuple[str, list[bytes]]]:
         (
             "",
             [riders_header(), marking_call(tok), encode_riders([(_DELETE, b"abc")])[:-1]],
+        ),
+        (  # a rider is handled even when the message that carried it is refused
+            u + "14",
+            [
+                encode_header(MessageKind.CALL, 1, 1, _BIG_ID,
+                              flags=FLAG_SHARED_MEMORY | FLAG_RIDERS),
+                marking_call(u + "s7"),
+                _NO_SEGMENT,
+                b"\x00\x00",
+                encode_riders([(_DELETE, pickle.dumps((MarkOnUnpickle(u + "14"),)))]),
+            ],
         ),
         (  # a well-formed rider is handled (as a notification) before its carrier
             u + "13",

@@ -238,7 +238,6 @@ class MessageDispatcher:
             len(message[2]) if len(message) == 3 else sum(len(f) for f in message[2:])
         )
         is_response = header.kind in RESPONSE_KINDS
-        riders: list[tuple[MessageKind, memoryview]] = []
         try:
             frames = message[2:]
             if header.flags & FLAG_RIDERS:  # notifications rode along in the last frame
@@ -246,6 +245,9 @@ class MessageDispatcher:
                     raise ProtocolError("a message flagged with riders carries no riders frame")
                 riders = decode_riders(frames[-1].buffer)
                 frames = frames[:-1]
+                # handled before the message that carried them, and even if it is refused
+                for kind, body in riders:
+                    self._on_request(kind, header.sender, 0, [body])
             parts = self.shared.incoming(header, frames)
         except ProtocolError as error:
             pending = self._pending.get(header.message_id)
@@ -256,8 +258,6 @@ class MessageDispatcher:
             else:
                 self._reply_exception(header.sender, header.message_id, error)
             return
-        for kind, body in riders:  # handled before the message that carried them
-            self._on_request(kind, header.sender, 0, [body])
         if is_response:
             self._on_response(header.kind, header.sender, header.message_id, parts)
         else:
@@ -274,12 +274,15 @@ class MessageDispatcher:
             else:
                 self.warn(f"dropped a notification from rank {sender_rank}: {error}")
             return
+        sender = self._infos.get(sender_rank)
+        if sender is None:  # it left the group meanwhile (a dynamic group)
+            self.warn(f"dropped a request from rank {sender_rank}: it is no longer a member")
+            return
         if message_id and self.inbox.probing:
             self.inbox.stay()  # a request waited while nobody received
         with self._inflight_lock:
             self._inflight += 1
         self.stats.requests_served[sender_rank] += 1
-        sender = self._infos[sender_rank]
         if entry.inline:
             self._serve(kind, sender, message_id, parts, entry)
         else:

@@ -89,8 +89,10 @@ class InboxTurns:
 
     def io_pause(self, now: float) -> float:
         """Seconds the I/O thread should stay off the inbox (0: take it)."""
-        started = self._turn_started  # read before the holder: set before it (see receive_until)
         holder = self.holder
+        # read after the holder, which a turn sets after its start: this start is the
+        # holder's or a later turn's (never an older, longer one's)
+        started = self._turn_started
         if holder is not None and holder != self._io_ident:
             if now - started >= LONG_TURN_SECONDS:
                 return float("inf")  # a long turn: it wakes this thread when it ends

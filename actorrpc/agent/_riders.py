@@ -4,9 +4,10 @@ Control notifications nobody waits for, such as an RRef user's delete or the
 release of a peer's shared-memory segment, are queued per destination by
 :meth:`Riders.add` and appended to the next message sent to that worker anyway
 (one extra frame, wire spec: "Notifications riding on a message"). When none
-leaves within :data:`RIDER_DELAY` seconds, the I/O thread sends them on their
-own (:meth:`Riders.flush`). In a loop of ``remote()`` + ``to_here()`` this
-takes one message out of every five, and a wake-up of the caller's I/O thread.
+leaves within :data:`RIDER_DELAY` seconds, the I/O thread sends them on a
+``PING`` notification of their own (:meth:`Riders.flush`). In a loop of
+``remote()`` + ``to_here()`` this takes one message out of every five, and a
+wake-up of the caller's I/O thread.
 
 Invariants:
 
@@ -51,7 +52,7 @@ class Riders:
         self._queued: dict[int, _Queued] = {}
         self._since: dict[int, float] = {}  # rank -> when its oldest queued one was queued
         self.carried = 0  # notifications that rode on another message (statistics)
-        self.sent_alone = 0  # notifications that found no message in time
+        self.sent_alone = 0  # messages sent only to carry notifications that waited
 
     @property
     def pending(self) -> bool:
@@ -76,7 +77,8 @@ class Riders:
         """The message that was to carry ``queued`` was not sent: they go first next time."""
         if queued:
             with self._lock:
-                self._queued[rank] = queued + self._queued.get(rank, [])
+                # in place: a finalizer may add to this list while this line runs
+                self._queued.setdefault(rank, [])[:0] = queued
                 self._since.setdefault(rank, time.monotonic())
 
     def drop(self, rank: int) -> None:
@@ -93,30 +95,30 @@ class Riders:
     def flush(self, everything: bool = False) -> None:
         """Send what waited :data:`RIDER_DELAY` (or ``everything``) on messages of their own.
 
-        The first notification queued for a worker goes as a message, the rest
-        ride on it.
+        The carrier is a ``PING`` notification (never answered) that takes
+        everything queued for its worker along, in order, as any message would.
         """
         if not self._queued:
             return
         limit = time.monotonic() - RIDER_DELAY
         with self._lock:
-            ranks = [r for r, since in self._since.items() if everything or since <= limit]
+            ranks = [r for r, since in list(self._since.items()) if everything or since <= limit]
         agent = self._agent
         for rank in ranks:
-            queued = self.take(rank)
-            if not queued or not agent.is_member(rank):
-                continue  # it left: there is nobody to tell
-            kind, payload = queued[0]
-            self.put_back(rank, queued[1:])
+            if not agent.is_member(rank):
+                self.drop(rank)  # it left: there is nobody to tell
+                continue
             try:
-                agent.send_notification(rank, MessageKind(kind), payload)
+                agent.send_notification(rank, MessageKind.PING, ())
             except Exception as exc:  # noqa: BLE001 - the peer is gone or we are closing
+                with self._lock:
+                    count = len(self._queued.get(rank, ()))
                 self.drop(rank)
-                agent.warn(f"cannot send {len(queued)} notifications to worker {rank}: {exc}")
+                agent.warn(f"cannot send {count} notifications to worker {rank}: {exc}")
             else:
                 self.sent_alone += 1
 
     def describe(self) -> dict[str, int]:
         with self._lock:
-            queued = sum(len(q) for q in self._queued.values())
+            queued = sum(len(q) for q in list(self._queued.values()))
         return {"queued": queued, "carried": self.carried, "sent_alone": self.sent_alone}

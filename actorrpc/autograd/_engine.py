@@ -389,6 +389,13 @@ class AutogradEngine:
                 f"{len(send.aliases)} tensors"
             )
         pairs = [(a, g) for a, g in zip(send.aliases, grads) if g is not None]
+        for index, (alias, grad) in enumerate(pairs):
+            if not isinstance(grad, torch.Tensor) or grad.shape != alias.shape:
+                got = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
+                raise DistAutogradError(
+                    f"message {message_id} carries a gradient of shape {got} for a tensor of "
+                    f"shape {tuple(alias.shape)} (gradient {index})"
+                )
         if send.reach is None:
             send.reach = reach_from([send.node])
         return self._local_pass(

@@ -233,16 +233,18 @@ def gradients_at(
 
     ``inputs`` are tensors and ``GradientEdge`` s. Enters the C++ engine as
     ``torch.autograd.grad`` does, without its argument normalisation and Python
-    shape checks (~13 µs of a pass; the engine checks the shapes of
-    ``grad_outputs`` itself). Tensor subclasses that override torch functions
-    take the public path.
+    shape checks (~13 µs of a pass): callers pass gradients of their outputs'
+    exact shapes (the engine would only check that they broadcast; gradients
+    from a peer are checked on arrival, ``AutogradEngine._continue_at``).
+    Tensor subclasses that override torch functions take the public path.
     """
-    if _engine_run_backward is None or has_torch_function(tuple(outputs)) or has_torch_function(
-        tuple(i for i in inputs if isinstance(i, torch.Tensor))
+    if _engine_run_backward is not None and not (
+        has_torch_function(tuple(outputs))
+        or has_torch_function(tuple(i for i in inputs if isinstance(i, torch.Tensor)))
     ):
-        return torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True,
-                                   allow_unused=True)
-    return _engine_run_backward(  # type: ignore[no-any-return]
-        tuple(outputs), tuple(grad_outputs), True, False, tuple(inputs), True,
-        accumulate_grad=False,
-    )
+        return _engine_run_backward(
+            tuple(outputs), tuple(grad_outputs), True, False, tuple(inputs), True,
+            accumulate_grad=False,
+        )
+    return torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True,
+                               allow_unused=True)

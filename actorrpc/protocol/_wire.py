@@ -27,8 +27,9 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
     0      2    magic       b"AR"
     2      1    version     PROTOCOL_VERSION (1)
     3      1    kind        a :class:`MessageKind`
-    4      2    flags       bit 0: FLAG_SHARED_MEMORY, bit 1: FLAG_RIDERS
-                            (see below); others 0
+    4      2    flags       bit 0: FLAG_SHARED_MEMORY, bit 2: FLAG_RIDERS
+                            (see below); others 0 (bit 1 is retired: it
+                            marked a comma-separated release frame)
     6      2    nbuffers    number of buffer frames after the payload
     8      4    sender      rank of the sending worker
     12     8    message id  unique per sender; a response echoes its request's id
@@ -88,8 +89,9 @@ message's last frame (after the shared-memory index frame, if any) holds one or
 more notifications, each as ``!BI`` (kind, payload length) followed by that many
 payload bytes (the notification's pickled payload). The receiver handles them
 in order, as notifications from the sender (message id 0), before the message
-that carried them. They may ride on every kind but ``MEMBERSHIP``; a rider of a
-reply kind, of ``MEMBERSHIP`` or of an unknown kind makes the message malformed.
+that carried them (even when that message itself is refused). They may ride on
+every kind but ``MEMBERSHIP``. Only ``RREF_USER_DELETE`` and ``SHM_RELEASE`` may
+ride; any other kind makes the message malformed.
 
 Membership messages
 -------------------
@@ -145,7 +147,7 @@ _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535
 FLAG_SHARED_MEMORY = 1
-FLAG_RIDERS = 2
+FLAG_RIDERS = 4
 _KNOWN_FLAGS = FLAG_SHARED_MEMORY | FLAG_RIDERS
 _RIDER = struct.Struct("!BI")
 
@@ -211,7 +213,7 @@ def decode_header(frame: bytes | memoryview) -> Header:
     return Header(message_kind, nbuffers, sender, message_id, flags)
 
 
-_NOT_RIDERS = frozenset({2, 3, 13})  # RESPONSE, EXCEPTION, MEMBERSHIP
+_RIDER_KINDS = frozenset({MessageKind.RREF_USER_DELETE, MessageKind.SHM_RELEASE})
 
 
 def encode_riders(riders: list[tuple[int, bytes]]) -> bytes:
@@ -236,7 +238,7 @@ def decode_riders(frame: bytes | memoryview) -> list[tuple[MessageKind, memoryvi
         kind, length = _RIDER.unpack_from(view, offset)
         offset += _RIDER.size
         message_kind = _KIND_BY_VALUE.get(kind)
-        if message_kind is None or kind in _NOT_RIDERS:
+        if message_kind not in _RIDER_KINDS:
             raise ProtocolError(f"message kind {kind} cannot ride on another message")
         if length > end - offset:
             raise ProtocolError(f"a rider declares {length} bytes but {end - offset} follow")
