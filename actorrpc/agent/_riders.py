@@ -105,8 +105,8 @@ class Riders:
             ranks = [r for r, since in list(self._since.items()) if everything or since <= limit]
         agent = self._agent
         for rank in ranks:
-            if not agent.is_member(rank):
-                self.drop(rank)  # it left: there is nobody to tell
+            if not agent.is_member(rank) or rank in agent.liveness.dead_peers:
+                self.drop(rank)  # it left or stopped answering: nobody to tell
                 continue
             try:
                 agent.send_notification(rank, MessageKind.PING, ())
