@@ -14,9 +14,10 @@ Invariants:
 * Queueing only appends under a re-entrant lock: finalizers (which may run on
   any thread, even inside garbage collection on a thread that holds the lock)
   and ``__del__`` may queue.
-* A queued notification is sent exactly once: taken out of the queue for a
+* A queued notification is sent at most once: taken out of the queue for a
   message, and put back in front if that message could not be sent. Those
-  queued for a worker that is gone are dropped.
+  queued for a worker that left, is dead, or cannot be sent a message of their
+  own are dropped (with a warning for the last).
 * Notifications to one worker keep their order; the receiver handles them
   before the message that carried them (so they are never handled earlier than
   if they had been sent on their own when queued).
