@@ -38,8 +38,8 @@ def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: li
         for tag in ("arrived", "idle", "done"):
             if tag == "idle":
                 _run_shutdown_hooks(agent, deadline, problems)
-            if tag != "arrived" and not agent.wait_idle(deadline):
-                problems.append("calls still pending: " + ", ".join(agent.pending_destinations()))
+            if tag != "arrived":
+                _wait_idle(agent, deadline, problems)
             assert isinstance(agent._rendezvous, Rendezvous), "static groups only"
             barrier = agent._rendezvous.barrier(f"shutdown/{tag}")
             barrier.arrive()
@@ -68,12 +68,24 @@ def leave(
     if graceful:
         _run_shutdown_hooks(agent, deadline, problems)
         problems.extend(leave_dynamic_group(agent, rendezvous, deadline))
-        if not agent.wait_idle(deadline):
-            problems.append("calls still pending: " + ", ".join(agent.pending_destinations()))
+        _wait_idle(agent, deadline, problems)
     else:
         leave_dynamic_group(agent, rendezvous, min(deadline, time.monotonic() + 1.0))
     agent._stop_threads()
     send_left(agent)
+
+
+def _wait_idle(agent: Agent, deadline: float, problems: list[str]) -> None:
+    """Wait for ``agent.idle()``; report what was still unfinished at the deadline."""
+    if agent.wait_idle(deadline):
+        return
+    unfinished = list(agent.pending_destinations())
+    if agent._inflight:
+        unfinished.append(f"{agent._inflight} requests being served")
+    queued = agent.riders.describe()["queued"]
+    if queued:
+        unfinished.append(f"{queued} notifications queued")
+    problems.append("work still pending: " + ", ".join(unfinished))
 
 
 def _run_shutdown_hooks(agent: Agent, deadline: float, problems: list[str]) -> None:
