@@ -22,6 +22,17 @@ def _local_trace_stop() -> list[dict[str, Any]]:
     return current_agent().tracer.stop()
 
 
+def _paired_flows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drop flow arrows with one end: workers stop one after another, so a call
+    between two of them may be recorded by its caller and not its callee, or
+    the other way round."""
+    phases: dict[str, set[str]] = {}
+    for event in events:
+        if event["ph"] in ("s", "f"):
+            phases.setdefault(event["id"], set()).add(event["ph"])
+    return [e for e in events if e["ph"] not in ("s", "f") or len(phases[e["id"]]) == 2]
+
+
 def get_worker_stats(worker: Any = None) -> dict[str, Any]:
     """Statistics of this worker, or of ``worker`` (a name, rank or WorkerInfo).
 
@@ -52,18 +63,24 @@ def start_tracing() -> None:
         >>> trace = rpc.stop_tracing("trace.json")   # open in Perfetto / chrome://tracing
     """
     agent = current_agent()
-    futures = [agent.call(info, _local_trace_start, (), {}) for info in agent.worker_infos()]
-    for future in futures:
+    # The peers start first and this worker last, so the calls that start them
+    # are not recorded here half (a sent call whose serving the peer missed).
+    peers = [info for info in agent.worker_infos() if info.id != agent.rank]
+    for future in [agent.call(info, _local_trace_start, (), {}) for info in peers]:
         future.wait()
+    agent.tracer.start()
 
 
 def stop_tracing(path: str | None = None) -> dict[str, Any]:
     """Stop recording; gather every worker's events into one Chrome trace (written to ``path``)."""
     agent = current_agent()
-    futures = [agent.call(info, _local_trace_stop, (), {}) for info in agent.worker_infos()]
-    events: list[dict[str, Any]] = []
-    for future in futures:
+    # This worker stops first, so the calls that stop the peers (whose serving
+    # they no longer record) are not recorded here either.
+    events = agent.tracer.stop()
+    peers = [info for info in agent.worker_infos() if info.id != agent.rank]
+    for future in [agent.call(info, _local_trace_stop, (), {}) for info in peers]:
         events.extend(future.wait())
+    events = _paired_flows(events)
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}
     if path is not None:
         with open(path, "w", encoding="utf-8") as handle:

@@ -57,10 +57,15 @@ def test_trace_is_a_chrome_trace_of_who_called_whom(cluster: list[str], tmp_path
         assert event["dur"] >= 0 and event["ts"] > 0
     big = next(e for e in calls if e["name"].endswith("add"))
     assert big["args"]["request_bytes"] >= 4000 and big["args"]["reply_bytes"] >= 4000
-    # every call's flow start has a matching flow end on the callee
+    # every call made in the test has its flow arrow from caller to callee, and
+    # no arrow has only one end (a call between two workers that stopped apart)
     starts = {e["id"] for e in events if e["ph"] == "s"}
     ends = {e["id"] for e in events if e["ph"] == "f"}
-    assert starts and starts <= ends
+    ours = [e for e in calls if e["name"].rsplit(".", 1)[-1] in ("_nested", "_ping", "add")]
+    assert len(ours) == 3 and {f"{e['pid']}:{e['args']['message_id']}" for e in ours} <= starts
+    assert starts == ends
+    # the calls that start and stop the recording are not recorded half
+    assert not [e for e in calls if "_local_trace" in e["name"]]
     # the nested call happens inside the outer one, on the callee's timeline
     outer = next(e for e in served if e["name"] == "_nested")
     inner = next(e for e in calls if e["name"] == "_ping" and e["pid"] == 1)
@@ -101,3 +106,14 @@ def test_status_command_prints_every_worker(cluster: list[str]) -> None:
     assert len(rows) == 3
     raw = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=30)
     assert '"worker": "worker1"' in raw.stdout
+
+
+def test_flow_arrows_with_one_end_are_dropped() -> None:
+    from actorrpc._inspection import _paired_flows
+
+    def flow(phase: str, flow_id: str) -> dict[str, object]:
+        return {"ph": phase, "id": flow_id}
+
+    call = {"ph": "X", "name": "add"}
+    events = [call, flow("s", "0:1"), flow("f", "0:1"), flow("s", "0:2"), flow("f", "1:3")]
+    assert _paired_flows(events) == [call, flow("s", "0:1"), flow("f", "0:1")]
