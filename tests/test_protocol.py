@@ -25,6 +25,7 @@ import zmq
 import actorrpc as rpc
 from actorrpc.agent import current_agent
 from actorrpc.protocol import (
+    FLAG_INLINE_PAYLOAD,
     FLAG_RIDERS,
     FLAG_SHARED_MEMORY,
     HEADER_SIZE,
@@ -36,6 +37,7 @@ from actorrpc.protocol import (
     decode_header,
     decode_riders,
     encode_header,
+    encode_inline,
     encode_riders,
 )
 from actorrpc.serialization import dumps
@@ -68,6 +70,13 @@ def test_header_roundtrip_every_kind(kind):
         assert decode_header(bytearray(frame)) == header
 
 
+def test_inline_payload_follows_the_header_in_one_frame():
+    frame = encode_inline(MessageKind.RESPONSE, 3, 99, b"payload")
+    assert frame[:HEADER_SIZE] == _RAW.pack(b"AR", 1, 2, FLAG_INLINE_PAYLOAD, 0, 3, 99)
+    assert decode_header(frame) == Header(MessageKind.RESPONSE, 0, 3, 99, FLAG_INLINE_PAYLOAD)
+    assert frame[HEADER_SIZE:] == b"payload"
+
+
 def test_too_many_buffers_rejected():
     with pytest.raises(rpc.ProtocolError, match="65535"):
         encode_header(MessageKind.CALL, 65536, 0, 1)
@@ -89,7 +98,11 @@ def test_too_many_buffers_rejected():
         (_RAW.pack(b"AR", 1, 1, 0, 0, 0, 1)[:19], "19 bytes"),
         (_RAW.pack(b"AR", 1, 1, 0, 0, 0, 1) + b"\x00", "21 bytes"),
         (_RAW.pack(b"AR", 1, 1, 2, 0, 0, 1), "unknown header flags"),  # retired bit 1
-        (_RAW.pack(b"AR", 1, 1, 8, 0, 0, 1), "unknown header flags"),
+        (_RAW.pack(b"AR", 1, 1, 16, 0, 0, 1), "unknown header flags"),
+        (_RAW.pack(b"AR", 1, 1, 8, 0, 0, 1), "inline payload carries none"),
+        (_RAW.pack(b"AR", 1, 1, 8 | 4, 0, 0, 1) + b"x", "travels alone"),
+        (_RAW.pack(b"AR", 1, 1, 8 | 1, 0, 0, 1) + b"x", "travels alone"),
+        (_RAW.pack(b"AR", 1, 1, 8, 1, 0, 1) + b"x", "travels alone"),
     ],
     ids=[
         "bad-magic",
@@ -106,6 +119,10 @@ def test_too_many_buffers_rejected():
         "long",
         "retired-flag",
         "unknown-flag",
+        "inline-without-payload",
+        "inline-with-riders",
+        "inline-with-shared-memory",
+        "inline-with-buffers",
     ],
 )
 def test_malformed_header_raises_protocol_error(frame, match):
@@ -234,6 +251,11 @@ class RawPeer:
 
 def header(kind, nbuffers=0, sender=1, message_id=None) -> bytes:
     return encode_header(kind, nbuffers, sender, message_id if message_id is not None else _BIG_ID)
+
+
+def inline(kind, payload: bytes, sender=1) -> bytes:
+    """A header and its payload in one frame (``FLAG_INLINE_PAYLOAD``)."""
+    return encode_inline(kind, sender, _BIG_ID, payload)
 
 
 def shm_header() -> bytes:
@@ -379,6 +401,10 @@ def _dropped_messages(bad: str) -> list[list[bytes]]:
         [header(MessageKind.RESPONSE, nbuffers=4), payload],
         [header(MessageKind.EXCEPTION, nbuffers=0), payload, b"extra", b"frames"],
         [header(MessageKind.RESPONSE), b"\x80\x05 definitely not a pickle"],
+        [inline(MessageKind.RESPONSE, payload)],
+        [_RAW.pack(b"AR", 1, 1, FLAG_INLINE_PAYLOAD, 0, 1, _BIG_ID)],  # inline, but empty
+        [_RAW.pack(b"AR", 1, 1, FLAG_INLINE_PAYLOAD | FLAG_RIDERS, 0, 1, _BIG_ID) + payload],
+        [inline(MessageKind.CALL, payload, sender=2)],  # claims rank 2
         # membership messages are JSON, never unpickled; a static group takes none
         [header(MessageKind.MEMBERSHIP), payload],
         [header(MessageKind.MEMBERSHIP), b"[1, 2]"],
@@ -432,6 +458,9 @@ def _requests_answered_with_errors(tok: str) -> list[tuple[str, list[bytes]]]:
     assert len(buffers) == 2
     return [
         ("", [header(MessageKind.CALL), b"\x80\x05 garbage pickle"]),
+        ("", [inline(MessageKind.CALL, b"\x80\x05 garbage pickle")]),
+        ("", [inline(MessageKind.CALL, marking_call(tok)), b"an extra frame"]),
+        (u + "15", [inline(MessageKind.CALL, pickle.dumps((MarkOnUnpickle(u + "15"),)))]),
         ("", [header(MessageKind.CALL), b""]),  # empty payload
         ("", [header(MessageKind.CALL, nbuffers=5), marking_call(tok)]),  # buffers missing
         ("", [header(MessageKind.CALL, nbuffers=0), marking_call(tok), b"b1", b"b2"]),  # extra

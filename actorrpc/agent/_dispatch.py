@@ -27,7 +27,9 @@ import torch
 
 from ..errors import DeserializationError, PeerUnreachableError, ProtocolError
 from ..protocol import (
+    FLAG_INLINE_PAYLOAD,
     FLAG_RIDERS,
+    HEADER_SIZE,
     RESPONSE_KINDS,
     Header,
     MessageKind,
@@ -217,8 +219,8 @@ class MessageDispatcher:
         _log.warning("%s: %s%s", self.name, what, extra)
 
     def _on_message(self, message: list[Any]) -> None:
-        if len(message) < 3:
-            self.warn(f"dropped a message of {len(message)} frames (need at least 3)")
+        if len(message) < 2:
+            self.warn(f"dropped a message of {len(message)} frames (need at least 2)")
             return
         identity = message[0]
         try:
@@ -226,8 +228,15 @@ class MessageDispatcher:
         except ProtocolError as exc:
             self.warn(f"dropped a malformed message: {exc}")
             return
+        if header.flags == FLAG_INLINE_PAYLOAD:  # the payload follows the header
+            frames = [memoryview(message[1])[HEADER_SIZE:], *message[2:]]
+        elif len(message) < 3:
+            self.warn("dropped a message of 2 frames whose header has no inline payload")
+            return
+        else:
+            frames = message[2:]
         if header.kind == MessageKind.MEMBERSHIP:
-            self._on_membership(identity, header, message[2:])
+            self._on_membership(identity, header, frames)
             return
         member = self._members.get(header.sender)
         if member is None or member.identity != identity:
@@ -235,11 +244,12 @@ class MessageDispatcher:
             return
         self.liveness.heard_from(header.sender, member.name)
         self.stats.bytes_in[header.sender] += (
-            len(message[2]) if len(message) == 3 else sum(len(f) for f in message[2:])
+            len(frames[0]) if len(frames) == 1 else sum(len(f) for f in frames)
         )
         is_response = header.kind in RESPONSE_KINDS
         try:
-            frames = message[2:]
+            if header.flags & FLAG_INLINE_PAYLOAD and len(frames) > 1:
+                raise ProtocolError("a message with an inline payload carries more frames")
             if header.flags & FLAG_RIDERS:  # notifications rode along in the last frame
                 if len(frames) < 2:
                     raise ProtocolError("a message flagged with riders carries no riders frame")

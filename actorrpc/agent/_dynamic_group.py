@@ -333,7 +333,7 @@ def _parse(frames: list[Any]) -> dict[str, Any]:
     if len(frames) != 1:
         raise ProtocolError("a MEMBERSHIP message carries exactly one frame")
     try:
-        message = json.loads(frames[0].bytes.decode())
+        message = json.loads(bytes(frames[0]).decode())
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"a MEMBERSHIP payload is not JSON: {exc}") from exc
     if not isinstance(message, dict) or message.get("op") not in _OPS:

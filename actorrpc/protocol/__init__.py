@@ -4,6 +4,7 @@ See :mod:`actorrpc.protocol._wire` for the specification.
 """
 
 from ._wire import (
+    FLAG_INLINE_PAYLOAD,
     FLAG_RIDERS,
     FLAG_SHARED_MEMORY,
     HEADER_SIZE,
@@ -15,10 +16,12 @@ from ._wire import (
     decode_header,
     decode_riders,
     encode_header,
+    encode_inline,
     encode_riders,
 )
 
 __all__ = [
+    "FLAG_INLINE_PAYLOAD",
     "FLAG_RIDERS",
     "FLAG_SHARED_MEMORY",
     "HEADER_SIZE",
@@ -30,5 +33,6 @@ __all__ = [
     "decode_header",
     "decode_riders",
     "encode_header",
+    "encode_inline",
     "encode_riders",
 ]

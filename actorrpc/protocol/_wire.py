@@ -17,7 +17,13 @@ A message is one ZeroMQ multipart message::
     frame 1   payload      pickle protocol 5 bytes (may be empty)
     frame 2.. buffers      ``nbuffers`` out-of-band pickle buffers (tensor data)
 
-On receipt the ROUTER adds the sender's routing id in front of frame 0.
+or, for a small payload and nothing else (no buffers, no other flags), the
+header with ``FLAG_INLINE_PAYLOAD`` set and the payload in one frame::
+
+    frame 0   header + payload   20 header bytes, then the (non-empty) payload
+
+which costs one ZeroMQ message part less to send and to receive. On receipt
+the ROUTER adds the sender's routing id in front of frame 0.
 
 Header
 ------
@@ -28,8 +34,9 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
     2      1    version     PROTOCOL_VERSION (1)
     3      1    kind        a :class:`MessageKind`
     4      2    flags       bit 0: FLAG_SHARED_MEMORY, bit 2: FLAG_RIDERS
-                            (see below); others 0 (bit 1 is retired: it
-                            marked a comma-separated release frame)
+                            (see below), bit 3: FLAG_INLINE_PAYLOAD (above:
+                            alone, with ``nbuffers`` 0); others 0 (bit 1 is
+                            retired: it marked a comma-separated release frame)
     6      2    nbuffers    number of buffer frames after the payload
     8      4    sender      rank of the sending worker
     12     8    message id  unique per sender; a response echoes its request's id
@@ -127,6 +134,7 @@ from typing import NamedTuple
 from ..errors import ProtocolError
 
 __all__ = [
+    "FLAG_INLINE_PAYLOAD",
     "FLAG_RIDERS",
     "FLAG_SHARED_MEMORY",
     "HEADER_SIZE",
@@ -138,6 +146,7 @@ __all__ = [
     "decode_header",
     "decode_riders",
     "encode_header",
+    "encode_inline",
     "encode_riders",
 ]
 
@@ -148,7 +157,8 @@ HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535
 FLAG_SHARED_MEMORY = 1
 FLAG_RIDERS = 4
-_KNOWN_FLAGS = FLAG_SHARED_MEMORY | FLAG_RIDERS
+FLAG_INLINE_PAYLOAD = 8
+_KNOWN_FLAGS = FLAG_SHARED_MEMORY | FLAG_RIDERS | FLAG_INLINE_PAYLOAD
 _RIDER = struct.Struct("!BI")
 
 
@@ -194,11 +204,23 @@ def encode_header(
     return _HEADER.pack(MAGIC, PROTOCOL_VERSION, int(kind), flags, nbuffers, sender, message_id)
 
 
+def encode_inline(kind: MessageKind, sender: int, message_id: int, payload: bytes) -> bytes:
+    """One frame: a header flagged ``FLAG_INLINE_PAYLOAD`` followed by ``payload``."""
+    return _HEADER.pack(
+        MAGIC, PROTOCOL_VERSION, int(kind), FLAG_INLINE_PAYLOAD, 0, sender, message_id
+    ) + payload
+
+
 def decode_header(frame: bytes | memoryview) -> Header:
-    """Unpack and validate a header frame, raising :class:`ProtocolError` if malformed."""
-    if len(frame) != HEADER_SIZE:
-        raise ProtocolError(f"header frame has {len(frame)} bytes, expected {HEADER_SIZE}")
-    magic, version, kind, flags, nbuffers, sender, message_id = _HEADER.unpack(frame)
+    """Unpack and validate a header frame, raising :class:`ProtocolError` if malformed.
+
+    A frame flagged ``FLAG_INLINE_PAYLOAD`` carries the payload after the header
+    (``frame[HEADER_SIZE:]``); any other must be the header alone.
+    """
+    size = len(frame)
+    if size < HEADER_SIZE:
+        raise ProtocolError(f"header frame has {size} bytes, expected {HEADER_SIZE}")
+    magic, version, kind, flags, nbuffers, sender, message_id = _HEADER.unpack_from(frame)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != PROTOCOL_VERSION:
@@ -210,6 +232,15 @@ def decode_header(frame: bytes | memoryview) -> Header:
         raise ProtocolError(f"unknown message kind {kind}")
     if flags & ~_KNOWN_FLAGS:
         raise ProtocolError(f"unknown header flags {flags:#06x}")
+    if flags & FLAG_INLINE_PAYLOAD:
+        if size == HEADER_SIZE:
+            raise ProtocolError("a header flagged with an inline payload carries none")
+        if flags != FLAG_INLINE_PAYLOAD or nbuffers:
+            raise ProtocolError(
+                "an inline payload travels alone (no buffers, shared memory or riders)"
+            )
+    elif size != HEADER_SIZE:
+        raise ProtocolError(f"header frame has {size} bytes, expected {HEADER_SIZE}")
     return Header(message_kind, nbuffers, sender, message_id, flags)
 
 
