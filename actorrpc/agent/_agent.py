@@ -40,7 +40,7 @@ from ..errors import (
     ShutdownError,
     WorkerLeftError,
 )
-from ..protocol import FLAG_RIDERS, Header, MessageKind, encode_header
+from ..protocol import FLAG_RIDERS, Header, MessageKind, encode_header, encode_inline
 from ..serialization import dumps, pickling_for
 from ..transport import Transport
 from ._calls import (
@@ -80,6 +80,7 @@ __all__ = [
 
 _log = logging.getLogger("actorrpc.agent")
 _MAX_POLL = 0.05
+_INLINE_LIMIT = 8192  # payloads up to this size travel in the header's frame
 _CALL_FIELDS = ("func", "args", "kwargs", "meta")
 _CREDITED_KINDS = frozenset({MessageKind.CALL, MessageKind.REMOTE_CALL})
 _PAYLOAD_FIELDS: dict[MessageKind, Any] = {
@@ -482,8 +483,10 @@ class Agent(MessageDispatcher):
         shared = self.shared
         riders = self.riders
         link = self._transport.link(member.identity, member.endpoint)
-        if not buffers and not riders.pending:  # the common case
-            link.send([encode_header(kind, 0, self.rank, message_id), body])
+        if not buffers and not riders.pending:  # the common case: one frame if small
+            small = len(body) <= _INLINE_LIMIT  # then a copy costs less than a message part
+            link.send([encode_inline(kind, self.rank, message_id, body)] if small else
+                      [encode_header(kind, 0, self.rank, message_id), body])
             self.stats.bytes_out[member.rank] += len(body)
             return
         frames, flags, lent = shared.outgoing(member, body, buffers)
