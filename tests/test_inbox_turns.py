@@ -42,6 +42,26 @@ def test_a_waiting_thread_receives_its_own_replies(cluster: list[str]) -> None:
     assert rpc.get_worker_stats()["inbox_turns"] - before >= 40
 
 
+def test_a_pool_thread_serves_the_next_request_itself(cluster: list[str]) -> None:
+    before = rpc.get_worker_stats("worker1")["serving_turns"]
+    for i in range(50):
+        assert rpc.rpc_sync("worker1", _plus_one, args=(i,)) == i + 1
+    # after the first, the thread that served a call receives and runs the next one
+    assert rpc.get_worker_stats("worker1")["serving_turns"] - before >= 40
+
+
+def test_a_long_request_in_a_serving_thread_holds_nothing_back(cluster: list[str]) -> None:
+    for i in range(5):  # worker1's pool thread is in its serving turns
+        rpc.rpc_sync("worker1", _plus_one, args=(i,))
+    slow = rpc.rpc_async("worker1", _sleep_then, args=(7, 1.5))
+    started = time.monotonic()
+    for i in range(20):
+        assert rpc.rpc_sync("worker1", _plus_one, args=(i,), timeout=10) == i + 1
+    assert time.monotonic() - started < 1.0  # served meanwhile, not after the slow one
+    assert not slow.done()
+    assert slow.wait() == 7
+
+
 def test_threads_waiting_together_all_get_their_replies_without_stalls(
     cluster: list[str],
 ) -> None:
@@ -148,6 +168,59 @@ def test_only_a_long_turn_wakes_the_io_thread_when_it_ends(
     assert turns.receive_until(_OneTurnAgent(future), future) is True  # type: ignore[arg-type]
     assert turns._resume.is_set() is long_turn  # a short turn leaves the I/O thread be
     assert not turns.lock.locked() and turns.holder is None
+
+
+class _ServingAgent:
+    """Just enough of an agent for a serving turn: each receive returns the next batch."""
+
+    _running = True
+
+    def __init__(self, turns: InboxTurns, batches: list[list[Any]]) -> None:
+        self.turns = turns
+        self.handled: list[Any] = []
+
+        def receive(timeout: float) -> list[Any]:
+            assert turns.held_by_current_thread()
+            return batches.pop(0) if batches else []
+
+        self._transport = SimpleNamespace(receive=receive)
+
+    def _on_message(self, message: Any) -> None:
+        # as the dispatcher does: a request goes to the serving thread if it has none yet
+        if message[0] == "request" and self.turns.claim(message):
+            return
+        self.handled.append(message)
+
+
+def test_a_serving_turn_returns_the_first_request_and_hands_on_the_rest() -> None:
+    turns = InboxTurns()
+    assert turns.claim(("request", 0)) is False  # nobody is in a serving turn
+    agent = _ServingAgent(turns, [[("reply", 1)], [("request", 2), ("request", 3)]])
+    claimed = turns.serving_turn(agent)  # type: ignore[arg-type]
+    assert claimed == ("request", 2)
+    assert agent.handled == [("reply", 1), ("request", 3)]  # the second request: to the pool
+    assert not turns.lock.locked() and turns.holder is None and turns.serving_turns == 1
+    # the I/O thread stays off for a moment: this thread comes back after running it
+    assert 0 < turns.io_pause(time.monotonic()) <= BACKOFF_SECONDS
+    assert not turns._resume.is_set()
+    assert turns.claim(("request", 4)) is False  # the turn is over
+
+
+def test_a_serving_turn_without_requests_ends_and_wakes_the_io_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from actorrpc.agent import _inbox
+
+    monkeypatch.setattr(_inbox, "SERVING_TURN_SECONDS", 0.01)
+    turns = InboxTurns()
+    agent = _ServingAgent(turns, [[("reply", 1)]])
+    assert turns.serving_turn(agent) is None  # type: ignore[arg-type]
+    assert agent.handled == [("reply", 1)]
+    assert turns._resume.is_set() and turns.io_pause(time.monotonic()) == 0.0
+    # the inbox is busy (the I/O thread or a waiter has it): no turn
+    turns.lock.acquire()
+    assert turns.serving_turn(_ServingAgent(turns, [])) is None  # type: ignore[arg-type]
+    assert turns.serving_turns == 1
 
 
 def test_a_stopped_agent_refuses_turns() -> None:

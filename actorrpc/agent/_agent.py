@@ -161,9 +161,7 @@ class Agent(MessageDispatcher):
         self.extensions: dict[str, Any] = {}
         self.inbox = InboxTurns()
         self.riders = Riders(self)
-        self._soon: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]]] = (
-            queue.SimpleQueue()
-        )
+        self._soon: queue.SimpleQueue[tuple[Callable[..., Any], Any]] = queue.SimpleQueue()
         self.stats = WorkerStats()
         self.tracer = Tracer(rank, name)
         self._status = StatusPublisher(self, self._publish_status)
@@ -475,10 +473,8 @@ class Agent(MessageDispatcher):
             raise PeerUnreachableError(dead[dest_rank])
         self.send_to(member, kind, message_id, body, buffers)
 
-    def send_to(
-        self, member: GroupMember, kind: MessageKind, message_id: int, body: bytes,
-        buffers: list[Any],
-    ) -> None:
+    def send_to(self, member: GroupMember, kind: MessageKind, message_id: int, body: bytes,
+                buffers: list[Any]) -> None:
         """Put one message on the link to ``member`` (whether or not it is in the table)."""
         shared = self.shared
         riders = self.riders

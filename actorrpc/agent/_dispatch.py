@@ -295,8 +295,25 @@ class MessageDispatcher:
         self.stats.requests_served[sender_rank] += 1
         if entry.inline:
             self._serve(kind, sender, message_id, parts, entry)
-        else:
-            self._pool.submit(self._serve, kind, sender, message_id, parts, entry)
+            return
+        request = (kind, sender, message_id, parts, entry)
+        if not self.inbox.claim(request):  # kept for the pool thread receiving it
+            self._pool.submit(self._serve_on_pool, [request])
+            self.inbox.waiter_served()  # the I/O thread lets that thread take the next turn
+
+    def _serve_on_pool(self, box: list[tuple[Any, ...]]) -> None:
+        """A pool task: serve the request in ``box``, then receive the next ones here.
+
+        A thread that served a request takes a serving turn on the inbox and
+        runs the next request that arrives itself, without the hand-off from
+        the I/O thread to the pool (see :meth:`InboxTurns.serving_turn`).
+        (The box is emptied so that the task does not keep the request alive.)
+        """
+        next_request: tuple[Any, ...] | None = box.pop()
+        while next_request is not None:
+            self._serve(*next_request)
+            next_request = None  # its frames (tensor data, mappings) are not kept meanwhile
+            next_request = self.inbox.serving_turn(self)  # type: ignore[arg-type]
 
     def _fail_pending(self, message_id: int, error: BaseException) -> None:
         pending = self._take_pending(message_id)

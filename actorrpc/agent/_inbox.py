@@ -1,4 +1,5 @@
-"""Whose turn it is to receive on the inbox: the I/O thread, or a thread waiting for a reply.
+"""Whose turn it is to receive on the inbox: the I/O thread, a thread waiting for a
+reply, or a pool thread waiting for the next request.
 
 A thread blocked in ``Future.wait()`` would otherwise be woken by the I/O
 thread, which received its reply: two thread wake-ups per synchronous call on
@@ -10,6 +11,14 @@ inbox for :data:`BACKOFF_SECONDS`, so a thread making synchronous calls one afte
 another receives its own replies; it takes the inbox back when no waiter used it
 for that long, and meanwhile keeps doing its timed work (deadlines, liveness,
 queued ``call_soon`` work).
+
+The serving side has the same hand-off: the I/O thread receives a request and
+wakes a pool thread to run it. So a pool thread that served a request takes a
+*serving turn*: it receives (handling replies and inline requests as the I/O
+thread would) until the next request arrives, gives the inbox up and runs that
+request itself; a turn with no request for :data:`SERVING_TURN_SECONDS` ends.
+After handing a request to the pool, or while a serving thread runs the one it
+received, the I/O thread again stays off the inbox for :data:`BACKOFF_SECONDS`.
 
 Invariants:
 
@@ -28,6 +37,10 @@ Invariants:
   back-off period, since a turn may end with nobody receiving; once a turn has
   lasted :data:`LONG_TURN_SECONDS` it sleeps instead (bar its timed work), and
   that turn wakes it when it ends.
+* A serving turn ends with the first request (at most one request is kept
+  for the turn's thread, :meth:`InboxTurns.claim`; others go to the pool), after
+  :data:`SERVING_TURN_SECONDS`, or when the agent stops; the inbox is free before
+  that request runs, so a request that blocks holds nothing else back.
 * A turn ends when the future is done or the agent stops; a future completed by
   another thread (a timeout, a dead peer, shutdown) wakes the inbox so the turn
   ends promptly. While the main thread has a turn, SIGINT is deferred to the end
@@ -48,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["BACKOFF_SECONDS", "LONG_TURN_SECONDS", "InboxTurns"]
+__all__ = ["BACKOFF_SECONDS", "LONG_TURN_SECONDS", "SERVING_TURN_SECONDS", "InboxTurns"]
 
 _log = logging.getLogger("actorrpc.agent")
 BACKOFF_SECONDS = 0.001
@@ -56,6 +69,8 @@ _STAY_SECONDS = 0.1
 _TURN_POLL = 0.05
 LONG_TURN_SECONDS = 0.01
 """A turn this old wakes the I/O thread when it ends; meanwhile that thread sleeps."""
+SERVING_TURN_SECONDS = 0.01
+"""How long a pool thread that served a request waits on the inbox for the next one."""
 
 
 class InboxTurns:
@@ -75,6 +90,9 @@ class InboxTurns:
         self.probing = False  # the I/O thread handles messages that waited during its back-off
         self._resume = threading.Event()
         self.closed = False  # the agent stopped: the lock stays taken for good
+        self.serving_turns = 0  # turns taken by pool threads after serving (statistics)
+        self._claiming = False  # the holder is a pool thread that runs the next request
+        self._claimed: tuple[Any, ...] | None = None
 
     def held_by_current_thread(self) -> bool:
         return self.holder == threading.get_ident()
@@ -84,8 +102,16 @@ class InboxTurns:
             self.blocked_waiters += delta
 
     def waiter_served(self) -> None:
-        """A blocked waiter got its reply: let it take the next turn itself."""
+        """A blocked waiter got its reply (or a pool thread a request): let it take the
+        next turn itself."""
         self._last_waiter_turn = time.monotonic()
+
+    def claim(self, request: tuple[Any, ...]) -> bool:
+        """Keep ``request`` for the pool thread receiving in a serving turn, if it has none."""
+        if not self._claiming or self._claimed is not None:
+            return False
+        self._claimed = request
+        return True
 
     def io_pause(self, now: float) -> float:
         """Seconds the I/O thread should stay off the inbox (0: take it)."""
@@ -151,6 +177,47 @@ class InboxTurns:
                 agent._housekeeping()
             except BaseException:  # noqa: BLE001 - the loop must survive anything
                 _log.exception("%s: error in the I/O loop", agent.name)
+
+    # -- a pool thread that served a request -------------------------------------------------
+
+    def serving_turn(self, agent: Agent) -> tuple[Any, ...] | None:
+        """Receive in this pool thread, after it served a request, until the next request.
+
+        Returns that request for this thread to run (the inbox is free again by
+        then), or None when the inbox was busy, nothing came for
+        :data:`SERVING_TURN_SECONDS` or the agent stopped. Replies and inline
+        requests that arrive first are handled here, as the I/O thread would;
+        a second request in one batch goes to the pool as usual.
+        """
+        if not agent._running or not self.lock.acquire(blocking=False):
+            return None
+        started = self._turn_started = time.monotonic()  # before the holder (io_pause)
+        claimed: tuple[Any, ...] | None = None
+        try:
+            self.holder = threading.get_ident()
+            self._claiming = True
+            self.serving_turns += 1
+            receive = agent._transport.receive
+            until = started + SERVING_TURN_SECONDS
+            while agent._running:
+                for message in receive(max(0.001, until - time.monotonic())):
+                    agent._on_message(message)
+                claimed = self._claimed
+                if claimed is not None or time.monotonic() >= until:
+                    break
+        except Exception:  # noqa: BLE001 - as in the I/O loop: the thread goes back to the pool
+            _log.exception("%s: error while receiving", agent.name)
+        finally:
+            self._claiming = False
+            self._claimed = None
+            self.holder = None
+            ended = time.monotonic()
+            if claimed is not None:
+                self._last_waiter_turn = ended  # this thread comes back after running it
+            self.lock.release()
+            if claimed is None or self.blocked_waiters or ended - started >= LONG_TURN_SECONDS:
+                self.resume()
+        return claimed
 
     # -- a waiting thread -------------------------------------------------------------------
 

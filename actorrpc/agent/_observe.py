@@ -167,6 +167,7 @@ def worker_snapshot(agent: Agent) -> dict[str, Any]:
         "shared_memory": {**agent.shared.pool.describe(), **agent.shared.mappings.describe()},
         "inbox_turns": agent.inbox.turns,  # waits that received their own reply
         "inbox_stays": agent.inbox.stays,  # replies that waited for the I/O thread
+        "serving_turns": agent.inbox.serving_turns,  # pool threads receiving the next request
         "notifications": agent.riders.describe(),  # queued, carried on messages, sent alone
     }
     for name, extension in agent.extensions.items():
