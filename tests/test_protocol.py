@@ -454,7 +454,7 @@ def _requests_answered_with_errors(tok: str) -> list[tuple[str, list[bytes]]]:
     unpickling, so the test knows the message was processed.
     """
     u = tok + ":unpickled"
-    two_tensors, buffers = dumps((torch.ones(2), torch.ones(3)))  # needs 2 out-of-band buffers
+    two_tensors, buffers = dumps((torch.ones(2000), torch.ones(3000)))  # 2 out-of-band buffers
     assert len(buffers) == 2
     return [
         ("", [header(MessageKind.CALL), b"\x80\x05 garbage pickle"]),

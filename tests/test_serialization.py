@@ -38,6 +38,14 @@ def by_value(payload: bytes) -> bool:
     return b"dill" in payload
 
 
+@pytest.fixture
+def out_of_band(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every buffer travels out of band, however small (to check what travels)."""
+    from actorrpc.serialization import _pickling
+
+    monkeypatch.setattr(_pickling, "IN_BAND_LIMIT", -1)
+
+
 def roundtrip(obj):
     payload, buffers = dumps(obj)
     # the receiver gets separate frames: copy each buffer into its own bytes object
@@ -76,12 +84,21 @@ def make_closure(n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_every_dtype_roundtrips(dtype):
+def test_every_dtype_roundtrips(dtype, out_of_band):
     t = sample(dtype)
     back = roundtrip(t)
     assert_same(t, back)
     payload, buffers = dumps(t)
     assert sum(b.nbytes for b in buffers) == t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_roundtrips_in_band(dtype):
+    t = sample(dtype)
+    payload, buffers = dumps(t)
+    assert not buffers  # 15 elements: inside the payload
+    assert_same(t, loads(payload, buffers))
+    assert_same(t.t(), roundtrip(t.t()))  # strided as well
 
 
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64], ids=str)
@@ -98,7 +115,7 @@ def test_transposed_tensor_keeps_strides():
     assert not back.is_contiguous()
 
 
-def test_permuted_and_expanded_tensors():
+def test_permuted_and_expanded_tensors(out_of_band):
     p = torch.randn(2, 3, 4).permute(2, 0, 1)
     back = roundtrip(p)
     assert_same(p, back)
@@ -116,7 +133,7 @@ def test_sliced_views_roundtrip():
         assert torch.equal(view, roundtrip(view))
 
 
-def test_view_of_big_storage_sends_only_its_bytes():
+def test_view_of_big_storage_sends_only_its_bytes(out_of_band):
     big = torch.zeros(1_000_000)  # 4 MB storage
     view = big[1000:1010]
     payload, buffers = dumps(view)
@@ -233,7 +250,7 @@ def test_no_tensor_data_in_payload():
     assert torch.equal(back["weights"], t) and back["step"] == 3
 
 
-def test_buffers_are_zero_copy_views():
+def test_buffers_are_zero_copy_views(out_of_band):
     t = torch.randn(1000)
     _, buffers = dumps(t)
     assert len(buffers) == 1
@@ -251,7 +268,7 @@ def test_unpicklable_object_raises_serialization_error():
     assert "lock" in str(info.value).lower()
 
 
-def test_garbage_payload_raises_deserialization_error():
+def test_garbage_payload_raises_deserialization_error(out_of_band):
     with pytest.raises(rpc.DeserializationError):
         loads(b"not a pickle at all")
     with pytest.raises(rpc.DeserializationError):
@@ -262,6 +279,22 @@ def test_garbage_payload_raises_deserialization_error():
 
 
 # --- code by reference and by value -------------------------------------------------------
+
+
+def test_small_tensors_travel_in_band_and_stay_writable():
+    from actorrpc.serialization._pickling import IN_BAND_LIMIT
+
+    small = torch.arange(IN_BAND_LIMIT // 4, dtype=torch.float32)  # exactly the limit
+    payload, buffers = dumps((small, torch.ones(3)))
+    assert not buffers and len(payload) > IN_BAND_LIMIT  # the bytes are in the payload
+    back, three = loads(payload, buffers)
+    assert torch.equal(back, small) and torch.equal(three, torch.ones(3))
+    back[0] = 7.0  # its own, writable memory
+    assert small[0] == 0.0
+    larger = torch.arange(IN_BAND_LIMIT // 4 + 1, dtype=torch.float32)
+    payload, buffers = dumps(larger)
+    assert [b.nbytes for b in buffers] == [IN_BAND_LIMIT + 4] and len(payload) < 1000
+    assert torch.equal(loads(payload, buffers), larger)
 
 
 def test_importable_function_travels_by_reference():

@@ -394,13 +394,33 @@ def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> str | None:
     return None
 
 
+IN_BAND_LIMIT = 4096
+"""Buffers (tensor data) of at most this many bytes travel inside the pickle stream: a copy of
+a few KiB costs less than a message frame of their own and its bookkeeping."""
+
+
+def _out_of_band(buffers: list[pickle.PickleBuffer]) -> Callable[[pickle.PickleBuffer], bool]:
+    """A ``buffer_callback``: large buffers go to ``buffers``, small ones stay in band."""
+    append = buffers.append
+
+    def collect(buffer: pickle.PickleBuffer) -> bool:
+        if buffer.raw().nbytes <= IN_BAND_LIMIT:
+            return True  # true: pickled in band
+        append(buffer)
+        return False
+
+    return collect
+
+
 class _ThreadPickler(threading.local):
     """One reusable pickler per thread (creating one per message costs more than pickling)."""
 
     def __init__(self) -> None:
         self.stream = io.BytesIO()
         self.buffers: list[pickle.PickleBuffer] = []
-        self.pickler = _WirePickler(self.stream, protocol=5, buffer_callback=self.buffers.append)
+        self.pickler = _WirePickler(
+            self.stream, protocol=5, buffer_callback=_out_of_band(self.buffers)
+        )
         self.busy = False
 
 
@@ -412,7 +432,7 @@ def _dump(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
     if state.busy:  # re-entered (a reducer pickling something): use a fresh pickler
         buffers: list[pickle.PickleBuffer] = []
         stream = io.BytesIO()
-        _WirePickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
+        _WirePickler(stream, protocol=5, buffer_callback=_out_of_band(buffers)).dump(obj)
         return stream.getvalue(), buffers
     state.busy = True
     try:
