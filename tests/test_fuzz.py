@@ -31,7 +31,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actorrpc.errors import ProtocolError
-from actorrpc.protocol import HEADER_SIZE, MessageKind, decode_header, encode_header
+from actorrpc.protocol import (
+    HEADER_SIZE,
+    PROTOCOL_VERSION,
+    MessageKind,
+    decode_header,
+    encode_header,
+)
 from tests.test_reliability import GroupRun, run_group
 
 FUZZ_MESSAGES = 3000
@@ -58,7 +64,7 @@ import zmq
 import actorrpc as rpc
 from tests._waiting import wait_for
 from actorrpc.agent import current_agent
-from actorrpc.protocol import MessageKind
+from actorrpc.protocol import PROTOCOL_VERSION, MessageKind
 from actorrpc.serialization import dumps
 
 HARD_LIMIT = float(os.environ.get("SCENARIO_HARD_LIMIT", "110"))
@@ -165,7 +171,7 @@ SHAPES = [None, 0, -1, 1.5, "x", b"", [], {}, (), (None,), ("a",), (1, 2, 3), (N
           ("a",) * 5, (None,) * 6, (0,) * 7, {"a": 1}, [None] * 4]
 
 
-def header(kind, nbuffers=0, sender=2, mid=1, magic=b"AR", version=1, flags=0):
+def header(kind, nbuffers=0, sender=2, mid=1, magic=b"AR", version=PROTOCOL_VERSION, flags=0):
     return HEADER.pack(magic, version, kind, flags, nbuffers, sender, mid)
 
 
@@ -203,7 +209,7 @@ class Fuzzer:
             "random frames", "bad header length", "bad magic", "bad version", "unknown kind",
             "flags set", "garbage payload", "wrong-shaped payload", "buffer count mismatch",
             "garbage buffers", "response to unknown id", "claims another rank", "big frame",
-            "empty frames",
+            "empty frames", "inline payload",
         ])
         if category == "random frames":
             frames = [rng.randbytes(rng.choice(LENGTHS)) for _ in range(rng.randint(1, 6))]
@@ -216,7 +222,7 @@ class Fuzzer:
             magic = b"ZZ" if magic == b"AR" else magic
             frames = [header(kind, magic=magic, mid=self.next_mid()), self.valid_call]
         elif category == "bad version":
-            version = rng.choice([0, 2, 3, 127, 255])
+            version = rng.choice([0, 1, 3, 127, 255])
             frames = [header(kind, version=version, mid=self.next_mid()), self.valid_call]
         elif category == "unknown kind":
             frames = [header(rng.choice([0, *range(13, 256)]), mid=self.next_mid()),
@@ -253,6 +259,12 @@ class Fuzzer:
         elif category == "big frame":
             frames = [header(int(rng.choice(REQUEST_KINDS)), mid=self.next_mid()),
                       rng.randbytes(1 << 20)]
+        elif category == "inline payload":  # FLAG_INLINE_PAYLOAD (8), alone or misused
+            flags = rng.choice([8, 8, 8 | 1, 8 | 4, 8 | rng.randrange(1, 65536)])
+            payload = rng.choice([self.garbage_pickle(), pickle.dumps(rng.choice(SHAPES)), b""])
+            frames = [header(int(rng.choice(REQUEST_KINDS)), flags=flags,
+                             nbuffers=rng.choice([0, 0, 1]), mid=self.next_mid()) + payload,
+                      *[rng.randbytes(rng.choice(LENGTHS)) for _ in range(rng.choice([0, 0, 1]))]]
         else:  # empty frames
             frames = [b""] * rng.randint(1, 4)
         return category, frames, forged
@@ -378,7 +390,7 @@ def fuzzed(tmp_path_factory) -> GroupRun:
 def test_fuzzed_worker_keeps_serving(fuzzed):
     result = fuzzed.result(0)
     assert sum(result["categories"].values()) == FUZZ_MESSAGES
-    assert len(result["categories"]) == 14, result["categories"]
+    assert len(result["categories"]) == 15, result["categories"]
     assert result["send_failures"] == 0, result
     assert result["legit_errors"] == [], result["legit_errors"]
     assert result["legit_ok"] == result["legit_calls"] == FUZZ_MESSAGES // 50, result
@@ -427,7 +439,7 @@ def test_decode_header_accepts_or_raises_protocol_error(frame):
         header = decode_header(frame)
     except ProtocolError:
         return
-    assert len(frame) == HEADER_SIZE and frame[:2] == b"AR" and frame[2] == 1
+    assert len(frame) == HEADER_SIZE and frame[:2] == b"AR" and frame[2] == PROTOCOL_VERSION
     assert isinstance(header.kind, MessageKind)
 
 

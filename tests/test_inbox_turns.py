@@ -174,6 +174,7 @@ class _ServingAgent:
     """Just enough of an agent for a serving turn: each receive returns the next batch."""
 
     _running = True
+    name = "fake"
 
     def __init__(self, turns: InboxTurns, batches: list[list[Any]]) -> None:
         self.turns = turns
@@ -184,6 +185,8 @@ class _ServingAgent:
             return batches.pop(0) if batches else []
 
         self._transport = SimpleNamespace(receive=receive)
+        self.queued = False  # work waiting in the pool's queue
+        self._pool = SimpleNamespace(has_queued=lambda: self.queued)
 
     def _on_message(self, message: Any) -> None:
         # as the dispatcher does: a request goes to the serving thread if it has none yet
@@ -204,6 +207,28 @@ def test_a_serving_turn_returns_the_first_request_and_hands_on_the_rest() -> Non
     assert 0 < turns.io_pause(time.monotonic()) <= BACKOFF_SECONDS
     assert not turns._resume.is_set()
     assert turns.claim(("request", 4)) is False  # the turn is over
+
+
+def test_queued_pool_work_ends_a_serving_turn() -> None:
+    turns = InboxTurns()
+    agent = _ServingAgent(turns, [[("reply", 1)], [("request", 2)]])
+    agent.queued = True  # the thread goes back to the queue instead of waiting here
+    assert turns.serving_turn(agent) is None  # type: ignore[arg-type]
+    assert agent.handled == [("reply", 1)] and turns._resume.is_set()
+
+
+def test_a_claimed_request_is_returned_even_if_a_later_message_fails() -> None:
+    turns = InboxTurns()
+
+    class _Failing(_ServingAgent):
+        def _on_message(self, message: Any) -> None:
+            if message[0] == "broken":
+                raise ValueError("a malformed reply")
+            super()._on_message(message)
+
+    agent = _Failing(turns, [[("request", 1), ("broken", 2)]])
+    assert turns.serving_turn(agent) == ("request", 1)  # type: ignore[arg-type]
+    assert not turns.lock.locked() and turns.claim(("request", 3)) is False
 
 
 def test_a_serving_turn_without_requests_ends_and_wakes_the_io_thread(
@@ -245,6 +270,58 @@ def test_error_type_of_a_deadlocking_wait_is_actorrpc_error(cluster: list[str]) 
     finally:
         agent.inbox.holder = None
     assert future.wait() == 5
+
+
+_QUEUED_WORK_IS_NOT_STARVED = textwrap.dedent(
+    """
+    import threading, time
+    import torch
+    import actorrpc as rpc
+    from actorrpc.agent import current_agent
+
+    def ping():
+        return 1
+
+    def two_streams(seconds):
+        # on worker1: two threads call the driver back to back; returns the calls of
+        # each and the second one's slowest call
+        end = time.monotonic() + seconds
+        counts = {"first": 0}
+
+        def first():
+            while time.monotonic() < end:
+                rpc.rpc_sync("driver", ping)
+                counts["first"] += 1
+
+        thread = threading.Thread(target=first)
+        thread.start()
+        slowest, second = 0.0, 0
+        while time.monotonic() < end:
+            started = time.monotonic()
+            rpc.rpc_sync("driver", ping)
+            slowest = max(slowest, time.monotonic() - started)
+            second += 1
+        thread.join()
+        return counts["first"], second, slowest
+
+    # the driver serves with one pool thread, which takes serving turns; its main thread
+    # waits in C++ (no waiting turns of its own)
+    group = rpc.local_workers(1, num_worker_threads=1)
+    future = rpc.rpc_async("worker1", two_streams, args=(3.0,))
+    first, second, slowest = torch.futures.wait_all([future])[0]
+    print("serving turns:", current_agent().inbox.serving_turns > 50, flush=True)
+    print("both streams served:", first > 50 and second > 50, first, second, flush=True)
+    print("slowest call under 0.5 s:", slowest < 0.5, slowest, flush=True)
+    group.shutdown()
+    """
+)
+
+
+def test_queued_work_is_not_starved_by_a_stream_of_serving_turns(tmp_path: Path) -> None:
+    output = run_script(tmp_path, _QUEUED_WORK_IS_NOT_STARVED, timeout=90)
+    for line in ("serving turns: True", "both streams served: True",
+                 "slowest call under 0.5 s: True"):
+        assert line in output, output
 
 
 _SHUTDOWN_DURING_TURN = textwrap.dedent(

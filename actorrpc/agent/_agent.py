@@ -480,7 +480,7 @@ class Agent(MessageDispatcher):
         riders = self.riders
         link = self._transport.link(member.identity, member.endpoint)
         if not buffers and not riders.pending:  # the common case: one frame if small
-            small = len(body) <= _INLINE_LIMIT  # then a copy costs less than a message part
+            small = 0 < len(body) <= _INLINE_LIMIT  # then a copy costs less than a part
             link.send([encode_inline(kind, self.rank, message_id, body)] if small else
                       [encode_header(kind, 0, self.rank, message_id), body])
             self.stats.bytes_out[member.rank] += len(body)

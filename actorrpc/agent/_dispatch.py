@@ -297,7 +297,8 @@ class MessageDispatcher:
             self._serve(kind, sender, message_id, parts, entry)
             return
         request = (kind, sender, message_id, parts, entry)
-        if not self.inbox.claim(request):  # kept for the pool thread receiving it
+        # kept for the pool thread receiving it, unless older work waits in the pool's queue
+        if self._pool.has_queued() or not self.inbox.claim(request):
             self._pool.submit(self._serve_on_pool, [request])
             self.inbox.waiter_served()  # the I/O thread lets that thread take the next turn
 
@@ -313,7 +314,11 @@ class MessageDispatcher:
         while next_request is not None:
             self._serve(*next_request)
             next_request = None  # its frames (tensor data, mappings) are not kept meanwhile
+            if self._pool.has_queued():
+                return  # queued work first: it never waits behind a stream of requests
             next_request = self.inbox.serving_turn(self)  # type: ignore[arg-type]
+            if next_request is not None:
+                self._pool.started_outside()
 
     def _fail_pending(self, message_id: int, error: BaseException) -> None:
         pending = self._take_pending(message_id)

@@ -39,8 +39,11 @@ Invariants:
   that turn wakes it when it ends.
 * A serving turn ends with the first request (at most one request is kept
   for the turn's thread, :meth:`InboxTurns.claim`; others go to the pool), after
-  :data:`SERVING_TURN_SECONDS`, or when the agent stops; the inbox is free before
-  that request runs, so a request that blocks holds nothing else back.
+  :data:`SERVING_TURN_SECONDS`, when work waits in the pool's queue, or when the
+  agent stops; the inbox is free before that request runs, so a request that
+  blocks holds nothing else back. No request is kept while the pool's queue holds
+  work, and a thread goes back to the queue before taking another turn: queued
+  work never waits behind a stream of requests served in turns.
 * A turn ends when the future is done or the agent stops; a future completed by
   another thread (a timeout, a dead peer, shutdown) wakes the inbox so the turn
   ends promptly. While the main thread has a turn, SIGINT is deferred to the end
@@ -161,11 +164,12 @@ class InboxTurns:
                 # messages that waited while nobody received are probed as they are
                 # handled: a request, or a reply someone may wait for without taking
                 # turns (a C++ wait such as torch.futures.wait_all), makes it stay()
-                self.probing = backed_off and bool(arrivals.poll(0))
+                probing = backed_off and bool(arrivals.poll(0))
                 backed_off = False
                 if not self.lock.acquire(timeout=BACKOFF_SECONDS):
                     agent._housekeeping()
                     continue
+                self.probing = probing  # set under the lock: only the holder's messages count
                 self.holder = self._io_ident
                 try:
                     for message in receive(0.0 if self.probing else agent._poll_timeout()):
@@ -199,15 +203,19 @@ class InboxTurns:
             self.serving_turns += 1
             receive = agent._transport.receive
             until = started + SERVING_TURN_SECONDS
+            has_queued = agent._pool.has_queued
             while agent._running:
                 for message in receive(max(0.001, until - time.monotonic())):
                     agent._on_message(message)
                 claimed = self._claimed
-                if claimed is not None or time.monotonic() >= until:
+                # queued work (a request handed to the pool) ends the turn: this thread
+                # goes back to serve it rather than waiting here
+                if claimed is not None or time.monotonic() >= until or has_queued():
                     break
         except Exception:  # noqa: BLE001 - as in the I/O loop: the thread goes back to the pool
             _log.exception("%s: error while receiving", agent.name)
         finally:
+            claimed = self._claimed  # also one claimed before a later message failed
             self._claiming = False
             self._claimed = None
             self.holder = None

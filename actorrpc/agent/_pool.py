@@ -66,6 +66,13 @@ class WorkerPool:
     def queued(self) -> int:
         return self._queue.qsize()
 
+    def has_queued(self) -> bool:
+        return not self._queue.empty()
+
+    def started_outside(self) -> None:
+        """A busy thread started another task itself (a request its serving turn received)."""
+        self._last_start = time.monotonic()
+
     @property
     def size(self) -> int:
         return len(self._threads)

@@ -1,4 +1,4 @@
-"""The actorrpc wire format (protocol version 1).
+"""The actorrpc wire format (protocol version 2).
 
 Topology
 --------
@@ -31,7 +31,7 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
 
     offset size field
     0      2    magic       b"AR"
-    2      1    version     PROTOCOL_VERSION (1)
+    2      1    version     PROTOCOL_VERSION (2; version 1 had no inline payload)
     3      1    kind        a :class:`MessageKind`
     4      2    flags       bit 0: FLAG_SHARED_MEMORY, bit 2: FLAG_RIDERS
                             (see below), bit 3: FLAG_INLINE_PAYLOAD (above:
@@ -151,7 +151,7 @@ __all__ = [
 ]
 
 MAGIC = b"AR"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535
