@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import subprocess
 import sys
 from types import TracebackType
 from typing import Any
 
 from ._api import init_rpc, shutdown
+from ._ports import free_ports
 from .agent import ZmqRpcBackendOptions
 
 __all__ = ["LocalWorkers", "local_workers"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class LocalWorkers:
@@ -71,7 +65,7 @@ def local_workers(
         42
         >>> group.shutdown()
     """
-    port = _free_port()
+    (port,) = free_ports("127.0.0.1", 1)
     init_method = f"tcp://127.0.0.1:{port}"
     secret = options.pop("secret", None) or secrets.token_hex(32)
     env = dict(os.environ, ACTORRPC_SECRET=secret)

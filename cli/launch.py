@@ -11,13 +11,14 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import click
+
+from actorrpc._ports import free_ports
 
 from ._worker import MASTER_PORT_ENV, NAMES_ENV, worker_name
 
@@ -29,17 +30,6 @@ LOG_LINE_PREFIX = "[${rank}]: "
 _WORKER_SHIM = Path(__file__).with_name("_worker.py")
 # Exit codes that mean "stopped by the launcher", less telling than the cause.
 _STOP_CODES = {-signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM, 128 + signal.SIGKILL}
-
-
-def free_ports(addr: str, count: int) -> list[int]:
-    """``count`` distinct TCP ports that are free on ``addr`` right now."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((addr, 0))
-            ports.append(int(sock.getsockname()[1]))
-        return ports
 
 
 def check_names(pattern: str, world_size: int) -> list[str]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+
+from actorrpc._ports import free_ports
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,9 +39,8 @@ def run_script(directory: str | os.PathLike[str], source: str, timeout: float) -
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free port below the ephemeral range (see ``actorrpc._ports``)."""
+    return free_ports("127.0.0.1", 1)[0]
 
 
 def _watch_parent(parent: int) -> None:

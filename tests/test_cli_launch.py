@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from ._cluster import free_port
 
 LAUNCH = [sys.executable, "-m", "actorrpc.cli.main", "launch"]
 OPTIONS = [
@@ -62,10 +63,6 @@ def _run(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout:
     return proc.returncode, out, err
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.timeout(60)
@@ -212,7 +209,7 @@ def test_help_lists_every_option(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_names_pattern_and_given_secret_and_port(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     script = _script(
         tmp_path,
         """

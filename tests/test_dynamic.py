@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -21,13 +20,11 @@ from actorrpc.agent._rendezvous import GroupMember
 from actorrpc.agent._worker_info import WorkerInfo
 from actorrpc.errors import PeerUnreachableError, UnknownWorkerError, WorkerLeftError
 
+from ._cluster import free_port
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +32,7 @@ def observed() -> dict:
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for variable in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(variable, None)
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     done = subprocess.run(
         [sys.executable, "-m", "tests._dynamic_group", "driver", "--init-method", init_method],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240,

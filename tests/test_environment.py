@@ -175,3 +175,18 @@ def test_two_node_group_from_two_launch_commands(tmp_path: Path) -> None:
         assert node.returncode == 0, output
     assert "RESULT worker0 0 2 [1.0, 1.0]" in output
     assert "RESULT worker1 1 2 [2.0, 2.0]" in output
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
+    # a worker retrying to connect to a not-yet-listening store port inside the ephemeral
+    # range can be handed that port itself (a TCP self-connect) and hold it: EADDRINUSE
+    import socket
+
+    from actorrpc._ports import _ephemeral_start, free_ports
+
+    ports = free_ports("127.0.0.1", 3)
+    assert len(set(ports)) == 3
+    assert all(10000 <= port < _ephemeral_start() for port in ports)
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
