@@ -13,7 +13,6 @@ import multiprocessing as mp
 import os
 import platform
 import queue as queue_mod
-import socket
 import statistics
 import sys
 import time
@@ -36,10 +35,11 @@ def ensure_repo_on_path() -> None:
 
 
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 free right now, below the ephemeral range (``actorrpc._ports``)."""
+    ensure_repo_on_path()
+    from actorrpc._ports import free_ports
+
+    return free_ports("127.0.0.1", 1)[0]
 
 
 def pin_process(rank: int, mode: str) -> list[int] | None:

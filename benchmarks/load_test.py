@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -337,12 +336,6 @@ def _watch_parent(parent: int) -> None:
 # --- the parent --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"n": 0}
@@ -387,7 +380,9 @@ def _versions() -> dict[str, Any]:
 def parent_main(args: argparse.Namespace) -> int:
     calls = 5000 if args.quick and args.calls is None else (args.calls or 100_000)
     args.calls = calls
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    from _common import free_port
+
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     load_before = os.getloadavg()

@@ -126,7 +126,7 @@ def test_io_thread_backs_off_only_after_serving_a_waiter() -> None:
     turns = InboxTurns()
     now = time.monotonic()
     assert turns.io_pause(now) == 0.0  # nobody waited: the I/O thread receives
-    turns.waiter_served()
+    turns.hand_off()
     assert 0 < turns.io_pause(time.monotonic()) <= BACKOFF_SECONDS
     assert turns.io_pause(time.monotonic() + 2 * BACKOFF_SECONDS) == 0.0  # not back: take it
     turns._turn_started = now = time.monotonic()

@@ -300,7 +300,7 @@ class MessageDispatcher:
         # kept for the pool thread receiving it, unless older work waits in the pool's queue
         if self._pool.has_queued() or not self.inbox.claim(request):
             self._pool.submit(self._serve_on_pool, [request])
-            self.inbox.waiter_served()  # the I/O thread lets that thread take the next turn
+            self.inbox.hand_off()  # the I/O thread lets that thread take the next turn
 
     def _serve_on_pool(self, box: list[tuple[Any, ...]]) -> None:
         """A pool task: serve the request in ``box``, then receive the next ones here.

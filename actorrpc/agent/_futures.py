@@ -130,7 +130,7 @@ def complete(future: Future[Any], value: Any = None, error: BaseException | None
     agent = future._agent
     if agent is not None:
         if future._blocked:
-            agent.inbox.waiter_served()
+            agent.inbox.hand_off()
         receiver = future._receiver
         if receiver is not None and receiver != threading.get_ident():
             agent.wake_inbox()  # completed elsewhere (timeout, dead peer): end the turn

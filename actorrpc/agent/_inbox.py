@@ -87,7 +87,7 @@ class InboxTurns:
         self.stays = 0  # times the I/O thread found messages waiting after backing off
         self._count_lock = threading.Lock()
         self._io_ident: int | None = None
-        self._last_waiter_turn = float("-inf")
+        self._handed_off_at = float("-inf")
         self._turn_started = 0.0  # when the current waiter's turn began
         self._no_backoff_until = float("-inf")
         self.probing = False  # the I/O thread handles messages that waited during its back-off
@@ -104,10 +104,11 @@ class InboxTurns:
         with self._count_lock:
             self.blocked_waiters += delta
 
-    def waiter_served(self) -> None:
-        """A blocked waiter got its reply (or a pool thread a request): let it take the
-        next turn itself."""
-        self._last_waiter_turn = time.monotonic()
+    def hand_off(self) -> None:
+        """A blocked waiter got its reply, or a pool thread a request: the I/O thread
+        stays off the inbox for :data:`BACKOFF_SECONDS`, so that thread takes the next
+        turn itself."""
+        self._handed_off_at = time.monotonic()
 
     def claim(self, request: tuple[Any, ...]) -> bool:
         """Keep ``request`` for the pool thread receiving in a serving turn, if it has none."""
@@ -128,7 +129,7 @@ class InboxTurns:
             return BACKOFF_SECONDS  # a waiter is receiving
         if now < self._no_backoff_until:
             return 0.0
-        return max(0.0, self._last_waiter_turn + BACKOFF_SECONDS - now)
+        return max(0.0, self._handed_off_at + BACKOFF_SECONDS - now)
 
     def stay(self) -> None:
         """A message waited for the I/O thread: keep receiving instead of backing off."""
@@ -159,7 +160,7 @@ class InboxTurns:
                     self._resume.wait(min(pause, agent._poll_timeout()))
                     self._resume.clear()
                     if self.blocked_waiters and not self.lock.locked():
-                        self._last_waiter_turn = float("-inf")  # someone waits: take it now
+                        self._handed_off_at = float("-inf")  # someone waits: take it now
                     continue
                 # messages that waited while nobody received are probed as they are
                 # handled: a request, or a reply someone may wait for without taking
@@ -221,7 +222,7 @@ class InboxTurns:
             self.holder = None
             ended = time.monotonic()
             if claimed is not None:
-                self._last_waiter_turn = ended  # this thread comes back after running it
+                self._handed_off_at = ended  # this thread comes back after running it
             self.lock.release()
             if claimed is None or self.blocked_waiters or ended - started >= LONG_TURN_SECONDS:
                 self.resume()
@@ -259,7 +260,7 @@ class InboxTurns:
         finally:
             future._receiver = None
             self.holder = None
-            ended = self._last_waiter_turn = time.monotonic()
+            ended = self._handed_off_at = time.monotonic()
             self.lock.release()
             if self.blocked_waiters or ended - started >= LONG_TURN_SECONDS:
                 self.resume()
