@@ -194,12 +194,11 @@ class InboxTurns:
         requests that arrive first are handled here, as the I/O thread would;
         a second request in one batch goes to the pool as usual.
         """
-        if not agent._running or not self.lock.acquire(blocking=False):
+        started = self._begin_turn(agent)
+        if started is None:
             return None
-        started = self._turn_started = time.monotonic()  # before the holder (io_pause)
         claimed: tuple[Any, ...] | None = None
         try:
-            self.holder = threading.get_ident()
             self._claiming = True
             self.serving_turns += 1
             receive = agent._transport.receive
@@ -219,14 +218,29 @@ class InboxTurns:
             claimed = self._claimed  # also one claimed before a later message failed
             self._claiming = False
             self._claimed = None
-            self.holder = None
-            ended = time.monotonic()
-            if claimed is not None:
-                self._handed_off_at = ended  # this thread comes back after running it
-            self.lock.release()
-            if claimed is None or self.blocked_waiters or ended - started >= LONG_TURN_SECONDS:
-                self.resume()
+            # with a request, this thread comes back after running it; without, the
+            # I/O thread takes over now
+            self._end_turn(started, coming_back=claimed is not None)
         return claimed
+
+    def _begin_turn(self, agent: Agent) -> float | None:
+        """Take the inbox if it is free; the turn's start time, or None (busy, stopped)."""
+        if not agent._running or not self.lock.acquire(blocking=False):
+            return None
+        started = self._turn_started = time.monotonic()  # before the holder (io_pause)
+        self.holder = threading.get_ident()
+        return started
+
+    def _end_turn(self, started: float, coming_back: bool) -> None:
+        """Give the inbox up; the I/O thread backs off if this thread comes back soon,
+        and is woken if it does not, if a waiter blocks or if the turn was long."""
+        self.holder = None
+        ended = time.monotonic()
+        if coming_back:
+            self._handed_off_at = ended
+        self.lock.release()
+        if not coming_back or self.blocked_waiters or ended - started >= LONG_TURN_SECONDS:
+            self.resume()
 
     # -- a waiting thread -------------------------------------------------------------------
 
@@ -239,13 +253,12 @@ class InboxTurns:
         me = threading.get_ident()
         # SIGINT is deferred before the lock is taken: no KeyboardInterrupt may leave it held
         deferral = _defer_sigint(agent) if me == _MAIN_IDENT else None
-        if not agent._running or not self.lock.acquire(blocking=False):
+        started = self._begin_turn(agent)
+        if started is None:
             if deferral is not None:
                 deferral.end_turn()
             return False
-        started = self._turn_started = time.monotonic()  # before the holder (io_pause)
         try:
-            self.holder = me
             self.turns += 1
             future._receiver = me
             receive = agent._transport.receive
@@ -259,11 +272,8 @@ class InboxTurns:
                     break
         finally:
             future._receiver = None
-            self.holder = None
-            ended = self._handed_off_at = time.monotonic()
-            self.lock.release()
-            if self.blocked_waiters or ended - started >= LONG_TURN_SECONDS:
-                self.resume()
+            # a thread making calls one after another takes its next turn itself
+            self._end_turn(started, coming_back=True)
             if deferral is not None:
                 deferral.end_turn()
         return bool(future._done)
