@@ -9,7 +9,9 @@ outlives a crashed test run.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -58,7 +60,8 @@ def spawn_workers(
     env: dict[str, str] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     """Start ``python -m tests._cluster`` for each rank; returns the processes."""
-    full_env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    full_env = dict(os.environ, PYTHONPATH=path)
     full_env.update(env or {})
     return [
         subprocess.Popen(
@@ -69,6 +72,14 @@ def spawn_workers(
         )
         for rank in ranks
     ]
+
+
+def dump_threads(processes: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Print every thread's stack, here and in each running worker (a hang's diagnosis)."""
+    faulthandler.dump_traceback(all_threads=True)
+    for process in processes:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGUSR1)
 
 
 def stop_workers(processes: Sequence[subprocess.Popen[bytes]], timeout: float = 30.0) -> list[int]:
@@ -93,6 +104,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--strict-leaks", action="store_true")
     args = parser.parse_args()
+    # a hung worker's threads can be shown: conftest sends SIGUSR1 when shutdown fails
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     sys.path.insert(0, REPO_ROOT)
     import actorrpc as rpc

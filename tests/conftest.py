@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 import actorrpc as rpc
-from tests._cluster import free_port, spawn_workers, stop_workers
+from tests._cluster import dump_threads, free_port, spawn_workers, stop_workers
 
 WORLD_SIZE = 3
 
@@ -36,6 +36,9 @@ def cluster() -> Iterator[list[str]]:
     finally:
         try:
             rpc.shutdown(timeout=30)
+        except BaseException:
+            dump_threads(processes)
+            raise
         finally:
             codes = stop_workers(processes)
     assert codes == [0] * (WORLD_SIZE - 1), f"cluster workers exited with {codes}"

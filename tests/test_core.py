@@ -6,6 +6,7 @@ package), so they travel by reference; lambdas and closures travel by value.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
 import pickle
@@ -13,13 +14,15 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 import uuid
 
 import pytest
 import torch
 
 import actorrpc as rpc
-from actorrpc.agent import current_agent
+from actorrpc.agent import current_agent, format_traceback
+from actorrpc.agent._remote_exception import pack_exception
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -322,6 +325,34 @@ def test_unrebuildable_exception_becomes_remote_error(cluster):
     assert "worker1" in str(error) and error.worker and "worker1" in error.worker
     assert "needs two args" in str(error)
     assert "raise_two_arg_error" in error.remote_traceback
+
+
+def _divide_by_zero(numbers: list[int]) -> float:
+    return numbers[0] / 0  # a line Python 3.11 would place column markers under
+
+
+def test_remote_traceback_is_formatted_without_parsing_source(monkeypatch):
+    # CPython 3.11 places the markers with ast.parse, whose per-interpreter state breaks
+    # a parse racing in another thread (pytest's, IPython's): agent threads never parse
+    parsed: list[object] = []
+    real_parse = ast.parse
+    monkeypatch.setattr(ast, "parse", lambda *a, **k: parsed.append(a) or real_parse(*a, **k))
+    try:
+        try:
+            _divide_by_zero([1])
+        except ZeroDivisionError as cause:
+            raise ValueError("wrapped") from cause
+    except ValueError as error:
+        _, _, text, worker = pack_exception(error, "worker7")
+        frames = format_traceback(error.__cause__, frames_only=True)  # type: ignore[arg-type]
+        assert parsed == []
+        if sys.version_info[:2] == (3, 11):  # the premise: the standard format parses there
+            traceback.format_exception(error)
+            assert parsed
+    assert worker == "worker7"
+    assert "numbers[0] / 0" in text and "_divide_by_zero" in text
+    assert "ZeroDivisionError" in text and "ValueError: wrapped" in text and "^^" not in text
+    assert "numbers[0] / 0" in frames and "ZeroDivisionError" not in frames
 
 
 def test_function_missing_on_callee(cluster, tmp_path, monkeypatch):

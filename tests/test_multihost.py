@@ -119,7 +119,9 @@ def hosts() -> Iterator[list[str]]:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def test_rpc_rrefs_and_backward_across_hosts_then_a_cut_link(hosts: list[str], tmp_path: Path) -> None:
+def test_rpc_rrefs_and_backward_across_hosts_then_a_cut_link(
+    hosts: list[str], tmp_path: Path
+) -> None:
     h0, h1, _, link1 = hosts
     script = tmp_path / "host.py"
     script.write_text(_SCRIPT)

@@ -1215,7 +1215,8 @@ def test_user_deletes_ride_on_the_next_message_to_the_owner(cluster):
     # 20 deletes took at most one message of their own (if the 10 ms flush came first)
     assert agent.riders.carried - carried >= 19
     assert agent.stats.calls_sent[owner] - sent <= 2
-    assert after == before or rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"] == before
+    # (at most before: an earlier test's RRef on worker1 may be freed meanwhile)
+    assert after <= before or rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"] <= before
     assert rpc.get_worker_stats()["notifications"]["carried"] >= 19
 
 

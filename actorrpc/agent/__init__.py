@@ -19,6 +19,7 @@ from ._options import (
     ZmqRpcBackendOptions,
     coerce_options,
 )
+from ._remote_exception import format_traceback
 from ._shutdown import wait_until
 from ._worker_info import MAX_NAME_LENGTH, WorkerInfo, validate_worker_name
 
@@ -38,6 +39,7 @@ __all__ = [
     "coerce_options",
     "complete",
     "current_agent",
+    "format_traceback",
     "register_agent_plugin",
     "run_user_function",
     "set_current_agent",

@@ -54,7 +54,6 @@ import copy
 import itertools
 import logging
 import threading
-import traceback
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -62,7 +61,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ..agent import wait_until
+from ..agent import format_traceback, wait_until
 from ..errors import ActorRpcError, RpcTimeoutError, RRefError
 
 __all__ = [
@@ -140,7 +139,7 @@ def detached_exception(error: BaseException) -> BaseException:
     fresh = copy_exception(error)
     trace = error.__traceback__
     if fresh is not error and trace is not None and hasattr(fresh, "add_note"):
-        text = "".join(traceback.format_tb(trace)).rstrip()
+        text = format_traceback(error, frames_only=True).rstrip()
         fresh.add_note(f"Traceback on the owner (most recent call last):\n{text}")
     return fresh
 
