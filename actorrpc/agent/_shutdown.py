@@ -34,6 +34,11 @@ def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: li
     that left after finishing its shutdown is not dead but done.
     """
     dead_missing: set[int] = set()
+    started = time.monotonic()  # a peer counts as dead if a check since then failed
+
+    def dead(missing: list[int]) -> list[int]:
+        return agent.liveness.dead_among(missing, started)
+
     try:
         for tag in ("arrived", "idle", "done"):
             if tag == "idle":
@@ -45,7 +50,7 @@ def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: li
             barrier.arrive()
             if tag == "done" and agent.rank != 0:
                 return
-            missing = barrier.wait(deadline, agent.liveness.dead_among)
+            missing = barrier.wait(deadline, dead)
             dead_missing.update(r for r in missing if r in agent.liveness.dead_peers)
             alive = [r for r in missing if r not in agent.liveness.dead_peers]
             if alive:
