@@ -1,7 +1,7 @@
 """CPU per call, thread by thread, on both workers: where a call's time goes.
 
-    python benchmarks/cpu_per_call.py [--mode sync|async|remote|echo] [--n 4000]
-                                      [--size BYTES] [--pin]
+    python benchmarks/cpu_per_call.py [--mode sync|async|remote|echo|autograd] [--n 4000]
+                                      [--size BYTES] [--pin] [--profile]
 
 Two spawned actorrpc workers; rank 0 makes ``--n`` calls of one kind to rank 1
 (after a warm-up) and prints the latency (median, p90, p99) and, for every
@@ -9,13 +9,18 @@ thread of both processes that used CPU, its CPU time per call (from
 ``/proc/self/task/*/stat``: user + system, 10 ms ticks, so use a few thousand
 calls). ``ZMQbg/IO`` threads are libzmq's own; ``python`` ones are the caller's
 main thread, the I/O thread and pool threads. ``--pin`` pins rank r to CPU r,
-as ``bench_rpc.py --pin split`` does. Figures are in docs/performance.md.
+as ``bench_rpc.py --pin split`` does. ``autograd`` is bench_rpc's iteration (a
+context, an RPC'd ``torch.add`` of two 64x64 tensors, backward, get_gradients);
+``--profile`` also prints the caller's main thread's costliest functions (cProfile).
+Figures are in docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import time
 from typing import Any
@@ -58,7 +63,21 @@ def _report(side: str, before: dict[str, float], after: dict[str, float], n: int
             print(f"  {side:6s} {thread:28s} {used / n * 1e6:7.1f} us/call")
 
 
+_LEAVES = [torch.rand(64, 64, requires_grad=True) for _ in range(2)]
+
+
+def _autograd_iteration(rpc: Any) -> Any:
+    import actorrpc.autograd as dist_autograd
+
+    with dist_autograd.context() as ctx:
+        out = rpc.rpc_sync("worker1", torch.add, args=tuple(_LEAVES))
+        dist_autograd.backward(ctx, [out.sum()])
+        return dist_autograd.get_gradients(ctx)
+
+
 def _one_call(rpc: Any, mode: str, payload: Any) -> Any:
+    if mode == "autograd":
+        return _autograd_iteration(rpc)
     if mode == "sync":
         return rpc.rpc_sync("worker1", noop)
     if mode == "remote":
@@ -66,7 +85,8 @@ def _one_call(rpc: Any, mode: str, payload: Any) -> Any:
     return rpc.rpc_sync("worker1", echo, args=(payload,))
 
 
-def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool) -> None:
+def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool,
+            profile: bool = False) -> None:
     if pin:
         os.sched_setaffinity(0, {rank})
     import actorrpc as rpc
@@ -79,6 +99,9 @@ def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool) -> No
             _one_call(rpc, "sync" if mode == "async" else mode, payload)
         before, peer_before = thread_cpu(), rpc.rpc_sync("worker1", thread_cpu)
         latencies: list[float] = []
+        profiler = cProfile.Profile() if profile else None
+        if profiler is not None:
+            profiler.enable()
         started = time.perf_counter()
         if mode == "async":
             for future in [rpc.rpc_async("worker1", noop) for _ in range(n)]:
@@ -89,6 +112,8 @@ def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool) -> No
                 _one_call(rpc, mode, payload)
                 latencies.append(time.perf_counter() - begin)
         elapsed = time.perf_counter() - started
+        if profiler is not None:
+            profiler.disable()
         after, peer_after = thread_cpu(), rpc.rpc_sync("worker1", thread_cpu)
         line = f"{mode}: {n / elapsed:,.0f} calls/s"
         if latencies:
@@ -102,18 +127,23 @@ def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool) -> No
         print(line)
         _report("caller", before, after, n)
         _report("callee", peer_before, peer_after, n)
+        if profiler is not None:
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
     rpc.shutdown()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("sync", "async", "remote", "echo"), default="sync")
+    parser.add_argument("--mode", choices=("sync", "async", "remote", "echo", "autograd"),
+                        default="sync")
     parser.add_argument("--n", type=int, default=4000)
     parser.add_argument("--size", type=int, default=1 << 20, help="echo payload bytes")
     parser.add_argument("--pin", action="store_true", help="pin rank r to CPU r")
+    parser.add_argument("--profile", action="store_true", help="cProfile the caller")
     parser.add_argument("--port", type=int, default=29761)
     args = parser.parse_args()
-    mp.spawn(_worker, args=(args.port, args.mode, args.n, args.size, args.pin), nprocs=2)
+    mp.spawn(_worker, args=(args.port, args.mode, args.n, args.size, args.pin, args.profile),
+             nprocs=2)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,9 @@ def _rebuild_tensor(
         empty = torch.empty(0, dtype=dtype)
         tensor = torch.as_strided(empty, size, stride or _contiguous_stride(size), 0)
     elif stride is None:
-        tensor = torch.frombuffer(raw, dtype=dtype).view(size)
+        tensor = torch.frombuffer(raw, dtype=dtype)
+        if len(size) != 1:  # (a 1-d tensor has its shape already)
+            tensor = tensor.view(size)
     else:
         flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
         tensor = torch.as_strided(flat, size, stride, 0)
@@ -190,7 +192,8 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         or tensor.is_neg()
     ):
         return NotImplemented
-    detached = tensor.detach()
+    requires_grad = tensor.requires_grad
+    detached = tensor.detach() if requires_grad else tensor  # (numpy() refuses grad tensors)
     raw: Any
     stride: tuple[int, ...] | None = None
     if detached.is_contiguous():  # the common case: as few torch calls as possible
@@ -217,8 +220,8 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
             tensor.dtype,
             tuple(detached.shape),
             stride,
-            tensor.requires_grad,
-            isinstance(tensor, torch.nn.Parameter),
+            requires_grad,
+            type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter),
             data,
         ),
     )
