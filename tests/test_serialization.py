@@ -14,6 +14,7 @@ import torch
 
 import actorrpc as rpc
 from actorrpc.serialization import dumps, loads
+from tests._cluster import run_script
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -446,3 +447,48 @@ def test_code_by_value_takes_project_modules_by_reference() -> None:
     rebuilt = loads(payload, buffers)
     assert rebuilt() is True
     assert rebuilt.__closure__[0].cell_contents is actorrpc  # the module itself, by name
+
+
+_SMALL_TENSORS_UNDER_GC_PRESSURE = '''
+import gc, os, sys, threading
+import torch, torch.multiprocessing as mp
+import actorrpc as rpc
+from actorrpc._ports import free_ports
+
+def scaled(i, t):
+    return t * i
+
+def main(rank, port):
+    gc.set_threshold(10, 5, 5)  # collections all the time, on every thread
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=(
+        rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")))
+    if rank == 0:
+        errors = []
+        def caller(index):
+            try:
+                base = torch.full((2,), float(index))  # in band, both ways
+                futures = [rpc.rpc_async(f"worker{1 + index % 2}", scaled, args=(i, base))
+                           for i in range(1000)]
+                for i, future in enumerate(futures):
+                    assert torch.equal(future.wait(), base * i)
+            except BaseException as exc:
+                errors.append(exc)
+        for _ in range(4):
+            threads = [threading.Thread(target=caller, args=(k,)) for k in range(8)]
+            for thread in threads: thread.start()
+            for thread in threads: thread.join()
+        assert not errors, errors[:2]
+        print("calls ok", flush=True)
+    rpc.shutdown()
+
+if __name__ == "__main__":
+    mp.spawn(main, args=(free_ports("127.0.0.1", 1)[0],), nprocs=3)
+'''
+
+
+@pytest.mark.timeout(150)
+def test_small_tensors_from_many_threads_survive_garbage_collection(tmp_path) -> None:
+    # In-band tensor data once went through pickle's in-band PickleBuffer path, and the
+    # workers crashed in garbage collection (SIGSEGV) in most runs of this script.
+    output = run_script(tmp_path, _SMALL_TENSORS_UNDER_GC_PRESSURE, timeout=120)
+    assert "calls ok" in output, output
