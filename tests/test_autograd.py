@@ -585,6 +585,25 @@ def test_context_cleanup_propagates(workers: list[str]) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_context_cleanup_is_a_notification_riding_on_the_next_message(
+    workers: list[str],
+) -> None:
+    from actorrpc.agent import current_agent
+
+    agent = current_agent()
+    (t1,) = _leaves((2, 2))
+    with dist_autograd.context() as context_id:
+        rpc.rpc_sync("worker1", torch.mul, args=(t1, t1))
+    # leaving sent nothing that waits for a reply (torch: fire and forget)
+    assert not [p for p in list(agent._pending.values()) if "cleanup" in p.description]
+    carried, alone = agent.riders.carried, agent.riders.sent_alone
+    # the release rides on this call (or left alone just before it): either way
+    # worker1 handles it before the call
+    assert not rpc.rpc_sync("worker1", _has_context, args=(context_id,))
+    assert agent.riders.carried - carried + agent.riders.sent_alone - alone >= 1
+
+
+@pytest.mark.timeout(60)
 def test_no_grad_records_nothing(workers: list[str]) -> None:
     (t1,) = _leaves((3,))
     with dist_autograd.context() as context_id:

@@ -222,7 +222,7 @@ class Fuzzer:
             magic = b"ZZ" if magic == b"AR" else magic
             frames = [header(kind, magic=magic, mid=self.next_mid()), self.valid_call]
         elif category == "bad version":
-            version = rng.choice([0, 1, 3, 127, 255])
+            version = rng.choice([v for v in (0, 1, 2, 3, 4, 127, 255) if v != PROTOCOL_VERSION])
             frames = [header(kind, version=version, mid=self.next_mid()), self.valid_call]
         elif category == "unknown kind":
             frames = [header(rng.choice([0, *range(13, 256)]), mid=self.next_mid()),

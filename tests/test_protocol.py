@@ -45,6 +45,7 @@ from actorrpc.serialization import dumps
 pytestmark = pytest.mark.timeout(60)
 
 _RAW = struct.Struct("!2sBBHHIQ")
+_V = PROTOCOL_VERSION
 _BIG_ID = 1 << 60  # far above any id worker1 uses for its own calls
 
 
@@ -53,9 +54,9 @@ _BIG_ID = 1 << 60  # far above any id worker1 uses for its own calls
 
 def test_header_layout():
     assert HEADER_SIZE == 20 == _RAW.size
-    assert MAGIC == b"AR" and PROTOCOL_VERSION == 2
+    assert MAGIC == b"AR" and PROTOCOL_VERSION == 3
     frame = encode_header(MessageKind.CALL, 3, 7, 123456789)
-    assert frame == _RAW.pack(b"AR", 2, 1, 0, 3, 7, 123456789)
+    assert frame == _RAW.pack(b"AR", 3, 1, 0, 3, 7, 123456789)
     assert {MessageKind.RESPONSE, MessageKind.EXCEPTION} == RESPONSE_KINDS
 
 
@@ -80,7 +81,7 @@ def test_an_empty_payload_is_answered_not_dropped(cluster):
 
 def test_inline_payload_follows_the_header_in_one_frame():
     frame = encode_inline(MessageKind.RESPONSE, 3, 99, b"payload")
-    assert frame[:HEADER_SIZE] == _RAW.pack(b"AR", 2, 2, FLAG_INLINE_PAYLOAD, 0, 3, 99)
+    assert frame[:HEADER_SIZE] == _RAW.pack(b"AR", _V, 2, FLAG_INLINE_PAYLOAD, 0, 3, 99)
     assert decode_header(frame) == Header(MessageKind.RESPONSE, 0, 3, 99, FLAG_INLINE_PAYLOAD)
     assert frame[HEADER_SIZE:] == b"payload"
 
@@ -97,28 +98,30 @@ def test_too_many_buffers_rejected():
         (_RAW.pack(b"ar", 1, 1, 0, 0, 0, 1), "magic"),
         (_RAW.pack(b"AR", 0, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", 1, 1, 0, 0, 0, 1), "version"),  # before inline payloads
-        (_RAW.pack(b"AR", 3, 1, 0, 0, 0, 1), "version"),
+        (_RAW.pack(b"AR", 2, 1, 0, 0, 0, 1), "version"),  # cleanups were requests
+        (_RAW.pack(b"AR", 4, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", 255, 1, 0, 0, 0, 1), "version"),
-        (_RAW.pack(b"AR", 2, 0, 0, 0, 0, 1), "kind"),
-        (_RAW.pack(b"AR", 2, 15, 0, 0, 0, 1), "kind"),
-        (_RAW.pack(b"AR", 2, 255, 0, 0, 0, 1), "kind"),
+        (_RAW.pack(b"AR", _V, 0, 0, 0, 0, 1), "kind"),
+        (_RAW.pack(b"AR", _V, 15, 0, 0, 0, 1), "kind"),
+        (_RAW.pack(b"AR", _V, 255, 0, 0, 0, 1), "kind"),
         (b"", "0 bytes"),
         (b"AR", "2 bytes"),
-        (_RAW.pack(b"AR", 2, 1, 0, 0, 0, 1)[:19], "19 bytes"),
-        (_RAW.pack(b"AR", 2, 1, 0, 0, 0, 1) + b"\x00", "21 bytes"),
-        (_RAW.pack(b"AR", 2, 1, 2, 0, 0, 1), "unknown header flags"),  # retired bit 1
-        (_RAW.pack(b"AR", 2, 1, 16, 0, 0, 1), "unknown header flags"),
-        (_RAW.pack(b"AR", 2, 1, 8, 0, 0, 1), "inline payload carries none"),
-        (_RAW.pack(b"AR", 2, 1, 8 | 4, 0, 0, 1) + b"x", "travels alone"),
-        (_RAW.pack(b"AR", 2, 1, 8 | 1, 0, 0, 1) + b"x", "travels alone"),
-        (_RAW.pack(b"AR", 2, 1, 8, 1, 0, 1) + b"x", "travels alone"),
+        (_RAW.pack(b"AR", _V, 1, 0, 0, 0, 1)[:19], "19 bytes"),
+        (_RAW.pack(b"AR", _V, 1, 0, 0, 0, 1) + b"\x00", "21 bytes"),
+        (_RAW.pack(b"AR", _V, 1, 2, 0, 0, 1), "unknown header flags"),  # retired bit 1
+        (_RAW.pack(b"AR", _V, 1, 16, 0, 0, 1), "unknown header flags"),
+        (_RAW.pack(b"AR", _V, 1, 8, 0, 0, 1), "inline payload carries none"),
+        (_RAW.pack(b"AR", _V, 1, 8 | 4, 0, 0, 1) + b"x", "travels alone"),
+        (_RAW.pack(b"AR", _V, 1, 8 | 1, 0, 0, 1) + b"x", "travels alone"),
+        (_RAW.pack(b"AR", _V, 1, 8, 1, 0, 1) + b"x", "travels alone"),
     ],
     ids=[
         "bad-magic",
         "lowercase-magic",
         "version-0",
         "version-1",
-        "version-3",
+        "version-2",
+        "version-4",
         "version-255",
         "kind-0",
         "kind-15",
@@ -398,11 +401,12 @@ def _dropped_messages(bad: str) -> list[list[bytes]]:
         [ok_header[:19], payload],  # one byte short
         [ok_header + b"\x00", payload],  # one byte long
         [_RAW.pack(b"XX", 1, 1, 0, 0, 1, _BIG_ID), payload],  # bad magic
-        [_RAW.pack(b"AR", 3, 1, 0, 0, 1, _BIG_ID), payload],  # future version
+        [_RAW.pack(b"AR", _V + 1, 1, 0, 0, 1, _BIG_ID), payload],  # future version
+        [_RAW.pack(b"AR", 2, 1, 0, 0, 1, _BIG_ID), payload],  # version 2
         [_RAW.pack(b"AR", 0, 1, 0, 0, 1, _BIG_ID), payload],  # version 0
         [_RAW.pack(b"AR", 1, 1, 0, 0, 1, _BIG_ID), payload],  # version 1
-        [_RAW.pack(b"AR", 2, 99, 0, 0, 1, _BIG_ID), payload],  # unknown kind
-        [_RAW.pack(b"AR", 2, 0, 0, 0, 1, _BIG_ID), payload],  # kind 0
+        [_RAW.pack(b"AR", _V, 99, 0, 0, 1, _BIG_ID), payload],  # unknown kind
+        [_RAW.pack(b"AR", _V, 0, 0, 0, 1, _BIG_ID), payload],  # kind 0
         [header(MessageKind.CALL, sender=0), payload],  # claims rank 0 with rank 1's id
         [header(MessageKind.CALL, sender=2), payload],  # claims rank 2
         [header(MessageKind.CALL, sender=77), payload],  # not a member at all
@@ -413,8 +417,8 @@ def _dropped_messages(bad: str) -> list[list[bytes]]:
         [header(MessageKind.EXCEPTION, nbuffers=0), payload, b"extra", b"frames"],
         [header(MessageKind.RESPONSE), b"\x80\x05 definitely not a pickle"],
         [inline(MessageKind.RESPONSE, payload)],
-        [_RAW.pack(b"AR", 2, 1, FLAG_INLINE_PAYLOAD, 0, 1, _BIG_ID)],  # inline, but empty
-        [_RAW.pack(b"AR", 2, 1, FLAG_INLINE_PAYLOAD | FLAG_RIDERS, 0, 1, _BIG_ID) + payload],
+        [_RAW.pack(b"AR", _V, 1, FLAG_INLINE_PAYLOAD, 0, 1, _BIG_ID)],  # inline, but empty
+        [_RAW.pack(b"AR", _V, 1, FLAG_INLINE_PAYLOAD | FLAG_RIDERS, 0, 1, _BIG_ID) + payload],
         [inline(MessageKind.CALL, payload, sender=2)],  # claims rank 2
         # membership messages are JSON, never unpickled; a static group takes none
         [header(MessageKind.MEMBERSHIP), payload],

@@ -188,10 +188,9 @@ _get_debug_info = debug_info
 
 
 def _wait_for_cleanup(timeout: float = 30.0) -> bool:
-    """Wait until the releases of contexts left on this worker reached every worker.
+    """Wait until no other worker holds a context this worker created and has left.
 
-    A release propagates transitively and each worker acknowledges only after its
-    own forwards were acknowledged, so ``True`` means no other worker still holds
-    a context this worker has left. ``False`` on timeout.
+    Releases propagate transitively as notifications nobody acknowledges, so this
+    asks every worker until none holds one: ``True`` then, ``False`` on timeout.
     """
     return _engine().wait_for_cleanup(timeout)

@@ -46,27 +46,33 @@ send function): a later pass that starts there raises torch's "Trying to backwar
 through the graph a second time" error. The graph is freed when the context is
 released.
 
-Cleanup: leaving a context releases it locally and sends ``AUTOGRAD_CLEANUP`` to
-every worker it exchanged messages with; each releases its copy and forwards the
-message to its own known workers (idempotent, so it terminates), replying once
-those replies arrived.
+Cleanup: leaving a context releases it locally and queues an ``AUTOGRAD_CLEANUP``
+notification for every worker it exchanged messages with; each releases its copy
+and passes the notification on to its own known workers (idempotent, so it
+terminates). As in torch, nobody waits for a cleanup: the notification rides on
+the next message to that worker (the next iteration's first RPC, typically) or
+leaves alone within ``RIDER_DELAY``, so leaving a context costs no message of
+its own and no reply. A receiver handles it before the message that carried it,
+so a worker never sees a later context's messages before the earlier release.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge
 
-from ..agent import Agent, CallRecord, Future, IncomingRequest, complete
+from ..agent import Agent, CallRecord, Future, IncomingRequest, complete, current_agent
 from ..errors import DistAutogradError
 from ..protocol import MessageKind
 from ._context import (
+    ID_BITS,
     ContextStore,
     DistAutogradContext,
     RecvFunction,
@@ -94,43 +100,6 @@ KEY_CONTEXT = "autograd_context_id"
 KEY_MESSAGE = "autograd_message_id"
 KEY_RESPONSE = "autograd_response_id"
 _EXTENSION = "autograd"
-
-
-def _gather(
-    futures: Sequence[torch.futures.Future], errors_matter: bool = True
-) -> torch.futures.Future:
-    """A Future completed when all ``futures`` are; it fails with the first error if any.
-
-    Completion happens in the last child's callback (often on the I/O thread); it
-    never waits.
-    """
-    result: torch.futures.Future = torch.futures.Future()
-    remaining = [len(futures)]
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def done(future: torch.futures.Future) -> None:
-        try:
-            future.wait()  # already complete: returns or raises at once
-        except BaseException as exc:  # noqa: BLE001 - collected, reported below
-            errors.append(exc)
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if not last:
-            return
-        if errors and errors_matter:
-            result.set_exception(errors[0])
-        else:
-            for error in errors:
-                _log.warning("distributed autograd cleanup: %s", error)
-            result.set_result(None)
-
-    if not futures:
-        result.set_result(None)
-    for future in futures:
-        future.add_done_callback(done)
-    return result
 
 
 def _failed(exc: BaseException) -> torch.futures.Future:
@@ -162,8 +131,6 @@ class AutogradEngine:
         self.agent = agent
         self.store = ContextStore(agent.rank)
         self.closed = False
-        self._cleanups: list[torch.futures.Future] = []
-        self._cleanups_lock = threading.Lock()
         self._passes = 0  # backward() calls in progress on this worker
         self._passes_lock = threading.Lock()
 
@@ -430,46 +397,38 @@ class AutogradEngine:
     def release(self, context_id: int) -> None:
         """Leave a context: release it here and tell the workers that took part."""
         ctx = self.store.release(context_id)
-        if ctx is None or self.closed:
-            return
-        futures = self._notify(ctx, exclude=None)
-        with self._cleanups_lock:
-            self._cleanups = [f for f in self._cleanups if not f.done()] + futures
+        if ctx is not None and not self.closed:
+            self._notify(ctx, exclude=None)
 
-    def _notify(self, ctx: DistAutogradContext, exclude: int | None) -> list[torch.futures.Future]:
-        futures: list[torch.futures.Future] = []
+    def _notify(self, ctx: DistAutogradContext, exclude: int | None) -> None:
         for rank in sorted(ctx.known_workers - {self.agent.rank, exclude}):
-            try:
-                futures.append(self.agent.send_request(
-                    self.agent.resolve(rank), MessageKind.AUTOGRAD_CLEANUP, (ctx.context_id,),
-                    description=f"autograd context {ctx.context_id} cleanup",
-                ))
-            except Exception as exc:  # noqa: BLE001 - best effort, as in torch
-                _log.warning("%s: cannot clean up autograd context %s on worker %s: %s",
-                             self.agent.name, ctx.context_id, rank, exc)
-        return futures
+            self.agent.notify_soon(rank, MessageKind.AUTOGRAD_CLEANUP, (ctx.context_id,))
 
     def handle_cleanup(self, request: IncomingRequest) -> Any:
-        """AUTOGRAD_CLEANUP (inline): release, forward, reply once the forwards were answered."""
+        """AUTOGRAD_CLEANUP (inline notification): release, pass it on to the known workers."""
         (context_id,) = request.payload
         ctx = self.store.release(context_id)
-        if ctx is None or self.closed:
-            return None  # already released here: the propagation stops
-        futures = self._notify(ctx, exclude=request.sender.id)
-        return _gather(futures, errors_matter=False) if futures else None
+        if ctx is not None and not self.closed:  # (already released here: it stops)
+            self._notify(ctx, exclude=request.sender.id)
 
     def wait_for_cleanup(self, timeout: float) -> bool:
-        """Wait until the cleanups this worker started were acknowledged (transitively)."""
-        with self._cleanups_lock:
-            futures = list(self._cleanups)
-        done = threading.Event()
-        gathered = _gather(futures, errors_matter=False)
-        gathered.add_done_callback(lambda _: done.set())
-        finished = done.wait(timeout)
-        if finished:
-            with self._cleanups_lock:
-                self._cleanups = [f for f in self._cleanups if not f.done()]
-        return finished
+        """Wait until no other worker holds a context this worker created and has left.
+
+        Cleanups are notifications nobody acknowledges, so this asks every worker
+        (the question carries this worker's queued releases) until none holds one.
+        """
+        deadline = time.monotonic() + timeout
+        mine = self.agent.rank
+        peers = [info for info in self.agent.worker_infos() if info.id != mine]
+        while True:
+            limit = max(0.1, deadline - time.monotonic())
+            left = [self.agent.call(info, held_context_ids, (mine,), {}, limit) for info in peers]
+            active = {ctx.context_id for ctx in self.store.all()}
+            if not set().union(*(future.wait() for future in left)) - active:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            threading.Event().wait(0.005)
 
     def debug_info(self) -> dict[str, Any]:
         contexts = self.store.all()
@@ -491,6 +450,12 @@ class AutogradEngine:
     def close(self, graceful: bool) -> None:
         self.closed = True
         self.store.clear()
+
+
+def held_context_ids(creator: int) -> set[int]:
+    """The ids of the contexts held on this worker that ``creator`` created (an RPC)."""
+    contexts = engine_of(current_agent()).store.all()
+    return {ctx.context_id for ctx in contexts if ctx.context_id >> ID_BITS == creator}
 
 
 def engine_of(agent: Agent) -> AutogradEngine:

@@ -31,7 +31,8 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
 
     offset size field
     0      2    magic       b"AR"
-    2      1    version     PROTOCOL_VERSION (2; version 1 had no inline payload)
+    2      1    version     PROTOCOL_VERSION (3; 2 sent AUTOGRAD_CLEANUP as a request,
+                            1 had no inline payload)
     3      1    kind        a :class:`MessageKind`
     4      2    flags       bit 0: FLAG_SHARED_MEMORY, bit 2: FLAG_RIDERS
                             (see below), bit 3: FLAG_INLINE_PAYLOAD (above:
@@ -47,9 +48,9 @@ Every kind except ``RESPONSE`` and ``EXCEPTION`` is a *request* and is answered
 by exactly one ``RESPONSE`` (payload: the result) or ``EXCEPTION`` (payload: a
 ``RemoteExceptionInfo`` tuple) carrying the same message id, except a request
 with message id 0: that is a *notification* and is never answered
-(``RREF_USER_DELETE`` and ``SHM_RELEASE`` are sent as notifications, usually
-riding on another message, see below, and the last ``MEMBERSHIP`` message of a
-leaving worker). Payloads are pickled tuples:
+(``RREF_USER_DELETE``, ``AUTOGRAD_CLEANUP`` and ``SHM_RELEASE`` are sent as
+notifications, usually riding on another message, see below, and the last
+``MEMBERSHIP`` message of a leaving worker). Payloads are pickled tuples:
 
 ========================  ==  ============================================================
 kind                      id  payload
@@ -97,8 +98,8 @@ more notifications, each as ``!BI`` (kind, payload length) followed by that many
 payload bytes (the notification's pickled payload). The receiver handles them
 in order, as notifications from the sender (message id 0), before the message
 that carried them (even when that message itself is refused). They may ride on
-every kind but ``MEMBERSHIP``. Only ``RREF_USER_DELETE`` and ``SHM_RELEASE`` may
-ride; any other kind makes the message malformed.
+every kind but ``MEMBERSHIP``. Only ``RREF_USER_DELETE``, ``AUTOGRAD_CLEANUP`` and
+``SHM_RELEASE`` may ride; any other kind makes the message malformed.
 
 Membership messages
 -------------------
@@ -151,7 +152,7 @@ __all__ = [
 ]
 
 MAGIC = b"AR"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535
@@ -244,7 +245,9 @@ def decode_header(frame: bytes | memoryview) -> Header:
     return Header(message_kind, nbuffers, sender, message_id, flags)
 
 
-_RIDER_KINDS = frozenset({MessageKind.RREF_USER_DELETE, MessageKind.SHM_RELEASE})
+_RIDER_KINDS = frozenset(
+    {MessageKind.RREF_USER_DELETE, MessageKind.AUTOGRAD_CLEANUP, MessageKind.SHM_RELEASE}
+)
 
 
 def encode_riders(riders: list[tuple[int, bytes]]) -> bytes:
