@@ -365,15 +365,18 @@ class Agent(MessageDispatcher):
         )
         if timeout > 0:
             self._deadlines.add(time.monotonic() + timeout, message_id)
+        traced = self.tracer.enabled  # recorded before sending: the reply may come first
+        if traced:
+            self.tracer.call_sent(message_id, dest.id, description or kind.name,
+                                  len(body) + sum(b.nbytes for b in buffers))
         try:
             self._send(dest.id, kind, message_id, body, buffers)
         except BaseException:
             self._take_pending(message_id)
+            if traced:
+                self.tracer.call_unsent(message_id)
             raise
         self.stats.calls_sent[dest.id] += 1
-        if self.tracer.enabled:
-            nbytes = len(body) + sum(b.nbytes for b in buffers)
-            self.tracer.call_sent(message_id, dest.id, description or kind.name, nbytes)
         return future
 
     def send_notification(self, rank: int, kind: MessageKind, payload: Any) -> None:

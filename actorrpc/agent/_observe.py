@@ -81,6 +81,10 @@ class Tracer:
     def call_sent(self, message_id: int, dest: int, description: str, nbytes: int) -> None:
         self._open[message_id] = (time.time(), dest, description, nbytes, threading.get_ident())
 
+    def call_unsent(self, message_id: int) -> None:
+        """A call recorded by :meth:`call_sent` could not be sent after all."""
+        self._open.pop(message_id, None)
+
     def call_done(self, message_id: int, reply_bytes: int, outcome: str) -> None:
         started = self._open.pop(message_id, None)
         if started is None:
