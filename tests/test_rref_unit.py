@@ -807,11 +807,15 @@ def test_cancelled_fetch_timers_never_run_and_live_ones_do() -> None:
 
     timers = _Timers()
     ran: list[str] = []
-    done = threading.Event()
+    done, busy, release = threading.Event(), threading.Event(), threading.Event()
+    # hold the timer thread in a callback, so the timers below are due before it looks
+    timers.call_later(0.0, lambda: (busy.set(), release.wait(10)))
+    assert busy.wait(10), "the timer thread never ran"
     cancelled = [timers.call_later(0.0, lambda: ran.append("cancelled")) for _ in range(3)]
     for timer in cancelled:
         timer.cancel()
     timers.call_later(0.01, lambda: (ran.append("live"), done.set()))
+    release.set()
     assert done.wait(10), "a live timer never ran"
     assert ran == ["live"]
 
