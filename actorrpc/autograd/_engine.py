@@ -68,7 +68,15 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from ..agent import Agent, CallRecord, Future, IncomingRequest, complete, current_agent
+from ..agent import (
+    Agent,
+    CallRecord,
+    Future,
+    IncomingRequest,
+    complete,
+    current_agent,
+    wait_until,
+)
 from ..errors import DistAutogradError
 from ..protocol import MessageKind
 from ._context import (
@@ -418,17 +426,14 @@ class AutogradEngine:
         (the question carries this worker's queued releases) until none holds one.
         """
         deadline = time.monotonic() + timeout
-        mine = self.agent.rank
+        return wait_until(lambda: not self._left_contexts_held_elsewhere(deadline), deadline)
+
+    def _left_contexts_held_elsewhere(self, deadline: float) -> set[int]:
+        mine, limit = self.agent.rank, max(0.1, deadline - time.monotonic())
         peers = [info for info in self.agent.worker_infos() if info.id != mine]
-        while True:
-            limit = max(0.1, deadline - time.monotonic())
-            left = [self.agent.call(info, held_context_ids, (mine,), {}, limit) for info in peers]
-            active = {ctx.context_id for ctx in self.store.all()}
-            if not set().union(*(future.wait() for future in left)) - active:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            threading.Event().wait(0.005)
+        asked = [self.agent.call(info, held_context_ids, (mine,), {}, limit) for info in peers]
+        held: set[int] = set().union(*(future.wait() for future in asked))
+        return held - {ctx.context_id for ctx in self.store.all()}
 
     def debug_info(self) -> dict[str, Any]:
         contexts = self.store.all()
