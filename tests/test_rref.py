@@ -970,15 +970,12 @@ def test_load_remote_share_drop_cycles() -> None:
     print(f"{LOAD_CYCLES} cycles in {elapsed:.1f}s")
 
 
-# -- known bugs outside rref/ (see the xfail reasons) -------------------------------------------
+# -- replies and payloads the agent cannot deliver (the xfail: a known bug) --------------------
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    reason="agent drops a late reply unpickled (Agent._on_response, pending is None), so RRefs "
-    "forked into it are never rebuilt and their forks/pending children leak", strict=True,
-)
 def test_late_reply_with_rref_does_not_leak() -> None:
+    """The reply to a call that timed out is unpickled and dropped: its RRef is released."""
     key = "late-reply"
     future = rpc.rpc_async("worker1", _late_rref_reply, args=(key,), timeout=0.3)
     try:
@@ -986,11 +983,9 @@ def test_late_reply_with_rref_does_not_leak() -> None:
             future.wait()
     finally:
         rpc.rpc_sync("worker1", set_event, args=(key,))
-    try:
-        wait_for(lambda: rpc.rpc_sync("worker1", _created, args=(key,)), "the late value")
-        wait_for(lambda: not remote_alive("worker1", key), "the late reply's value freed", 3)
-    finally:
-        rpc.rpc_sync("worker1", _drop_leaked_forks)
+    wait_for(lambda: rpc.rpc_sync("worker1", _created, args=(key,)), "the late value")
+    wait_for(lambda: not remote_alive("worker1", key), "the late reply's value freed")
+    wait_tables_empty()
 
 
 def _late_rref_reply(key: str) -> rpc.RRef[Tracked]:

@@ -29,6 +29,7 @@ import queue
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -145,6 +146,7 @@ class Agent(MessageDispatcher):
         self._shutdown_hooks: list[Callable[[float], None]] = []
         self._close_hooks: list[Callable[[bool], None]] = []
         self._pending: dict[int, PendingCall] = {}
+        self._late_replies: OrderedDict[int, int] = OrderedDict()  # see _give_up
         self._deadlines = Deadlines()
         self._message_ids = itertools.count(1)
         self._inflight = 0
@@ -517,7 +519,7 @@ class Agent(MessageDispatcher):
         while not self._soon.empty():
             fn, args = self._soon.get_nowait()
             fn(*args)
-        self._expire_deadlines()
+        self._deadlines.expire(self._pending, self._give_up)
         self.liveness.check()
         self._pool.maintain()
         self.riders.flush()
@@ -528,9 +530,6 @@ class Agent(MessageDispatcher):
             limit = min(limit, RIDER_DELAY)
         to_next = self._deadlines.seconds_to_next(time.monotonic())
         return limit if to_next is None else max(0.0, min(limit, to_next))
-
-    def _expire_deadlines(self) -> None:
-        self._deadlines.expire(self._pending, self._take_pending)
 
     # -- shutdown -------------------------------------------------------------------------------
 

@@ -11,7 +11,11 @@ Invariants:
   dropped before anything in it is unpickled.
 * Every request is answered exactly once: RESPONSE with the handler's result or
   EXCEPTION with the error (including errors while unpickling or replying).
-* A reply settles the pending call it answers once; a late reply is dropped.
+* A reply settles the pending call it answers once; a late reply is dropped. A
+  late reply to a call this worker gave up on (timed out, peer found dead) is
+  unpickled first, so that RRefs forked into it are rebuilt and released as usual
+  (else their owners would keep them for good); a reply to a call never made is
+  never unpickled.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
@@ -63,6 +68,7 @@ __all__ = ["MessageDispatcher"]
 
 _log = logging.getLogger("actorrpc.agent")
 _WARN_INTERVAL = 5.0
+_LATE_REPLIES_KEPT = 4096
 # replies a user may wait for (control replies, such as remote()'s creation ack or a
 # cleanup's, arrive after what is waited for and must not keep the I/O thread on the inbox)
 _AWAITED_KINDS = frozenset(
@@ -83,6 +89,7 @@ class MessageDispatcher:
     _handlers: dict[MessageKind, HandlerEntry]
     _hooks: list[CallHook]
     _pending: dict[int, PendingCall]
+    _late_replies: OrderedDict[int, int]
     _members: dict[int, GroupMember]
     _infos: dict[int, WorkerInfo]
     _inflight: int
@@ -321,21 +328,46 @@ class MessageDispatcher:
                 self._pool.started_outside()
 
     def _fail_pending(self, message_id: int, error: BaseException) -> None:
-        pending = self._take_pending(message_id)
+        pending = self._give_up(message_id)
         if pending is not None:
             complete(pending.future, error=error)
+
+    def _give_up(self, message_id: int) -> PendingCall | None:
+        """Take a pending call that fails before its reply came; remember whom it went to
+        (the last few thousand), so that its reply, if it still comes, can be released."""
+        pending = self._take_pending(message_id)
+        if pending is not None:
+            late = self._late_replies
+            late[message_id] = pending.dest.id
+            if len(late) > _LATE_REPLIES_KEPT:
+                late.popitem(last=False)
+        return pending
+
+    def _release_late_reply(self, sender: int, message_id: int, parts: list[Any]) -> None:
+        """Unpickle and drop the late reply to a call given up on: RRefs in it are rebuilt
+        (so their forks are accepted, then deleted) instead of leaking on their owners."""
+        if self._late_replies.pop(message_id, None) != sender:
+            return  # a reply to a call never made (or long forgotten): never unpickled
+        try:
+            with unpickling_from(sender):
+                loads(parts[0], parts[1:])
+        except DeserializationError as exc:
+            self.warn(f"dropped a late reply from rank {sender} that cannot be unpickled: {exc}")
 
     def _on_response(
         self, kind: MessageKind, sender: int, message_id: int, parts: list[Any]
     ) -> None:
         pending = self._pending.get(message_id)
-        if pending is None:
-            return  # a late reply to a call that already timed out
+        if pending is None:  # a late reply to a call that timed out, or failed otherwise
+            if kind == MessageKind.RESPONSE:
+                self._release_late_reply(sender, message_id, parts)
+            return
         if pending.dest.id != sender:
             self.warn(f"dropped a reply from rank {sender} to a call made to {pending.dest!r}")
             return
-        if self._take_pending(message_id) is None:
-            return  # its deadline expired meanwhile (replies and expiry run on different threads)
+        if self._take_pending(message_id) is None:  # it expired meanwhile (another thread)
+            self._release_late_reply(sender, message_id, parts)
+            return
         if self.inbox.probing and pending.kind in _AWAITED_KINDS:
             self.inbox.stay()  # someone may be waiting for it without taking turns
         if self.tracer.enabled:
