@@ -54,9 +54,9 @@ _BIG_ID = 1 << 60  # far above any id worker1 uses for its own calls
 
 def test_header_layout():
     assert HEADER_SIZE == 20 == _RAW.size
-    assert MAGIC == b"AR" and PROTOCOL_VERSION == 3
+    assert MAGIC == b"AR" and PROTOCOL_VERSION == 4
     frame = encode_header(MessageKind.CALL, 3, 7, 123456789)
-    assert frame == _RAW.pack(b"AR", 3, 1, 0, 3, 7, 123456789)
+    assert frame == _RAW.pack(b"AR", 4, 1, 0, 3, 7, 123456789)
     assert {MessageKind.RESPONSE, MessageKind.EXCEPTION} == RESPONSE_KINDS
 
 
@@ -99,7 +99,8 @@ def test_too_many_buffers_rejected():
         (_RAW.pack(b"AR", 0, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", 1, 1, 0, 0, 0, 1), "version"),  # before inline payloads
         (_RAW.pack(b"AR", 2, 1, 0, 0, 0, 1), "version"),  # cleanups were requests
-        (_RAW.pack(b"AR", 4, 1, 0, 0, 0, 1), "version"),
+        (_RAW.pack(b"AR", 3, 1, 0, 0, 0, 1), "version"),  # errors had four fields
+        (_RAW.pack(b"AR", 5, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", 255, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", _V, 0, 0, 0, 0, 1), "kind"),
         (_RAW.pack(b"AR", _V, 15, 0, 0, 0, 1), "kind"),
@@ -121,7 +122,8 @@ def test_too_many_buffers_rejected():
         "version-0",
         "version-1",
         "version-2",
-        "version-4",
+        "version-3",
+        "version-5",
         "version-255",
         "kind-0",
         "kind-15",

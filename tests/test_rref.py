@@ -1065,23 +1065,57 @@ def _release_leaked_user_handle(fork_id: Any) -> None:
             rref_context().user_deleted(obj)
 
 
+_kept: list[Any] = []  # what KeptOnArrival rebuilt on the worker that unpickled it
+
+
+class KeptOnArrival:
+    """Unpickles as its value, which the receiving worker also keeps in ``_kept``."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> Any:
+        return _keep, (self.value,)
+
+
+def _keep(value: Any) -> Any:
+    _kept.append(value)
+    return value
+
+
+def kept_values() -> list[Any]:
+    return [r.to_here() for r in _kept.pop()]
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    reason="agent (_serve) drops a request whose payload fails to unpickle; RRefs pickled into "
-    "it were forked on the sender and are never rebuilt, so their parent/fork leaks", strict=True,
-)
-def test_undecodable_payload_leaks_no_fork() -> None:
-    rref = rpc.remote("worker1", add, args=(1, 1))
-    # BadOnArrival fails to unpickle before the RRef after it is rebuilt on worker2
-    assert "BadOnArrival" in str(error_of(rpc.rpc_async("worker2", sum_rrefs,
-                                                        args=(BadOnArrival(), [rref]))))
-    try:
-        wait_for(lambda: tables("worker0")["num_pending_children"] == 0, "no pending child", 3)
-    finally:
-        ctx = rref_context()
-        for fork_id, parent in list(ctx.pending_children.items()):
-            if parent is rref:
-                ctx.accept_child(fork_id)
+@pytest.mark.parametrize("rebuilt_first", [False, True], ids=["none-rebuilt", "some-rebuilt"])
+def test_undecodable_request_undoes_the_forks_not_rebuilt(rebuilt_first: bool) -> None:
+    # worker2 fails to unpickle the request at BadOnArrival: RRefs before it were rebuilt
+    # there (their forks are worker2's to release; KeptOnArrival keeps them alive), those
+    # after it never were. The error reply names the rebuilt forks; the sender undoes the
+    # others' (a pending child for a user RRef, the owner's fork for an owned one).
+    user = rpc.remote("worker1", add, args=(1, 1))  # worker0 is a user of worker1's value
+    assert user.to_here() == 2
+    owned = rpc.RRef(3)  # worker0 owns it: forking registers the fork at once
+    early = [rpc.remote("worker1", add, args=(2, 2)), rpc.RRef(4)] if rebuilt_first else []
+    args = (KeptOnArrival(early), BadOnArrival(), [user, owned])
+    error = error_of(rpc.rpc_async("worker2", sum_rrefs_then, args=args))
+    assert isinstance(error, rpc.DeserializationError) and "BadOnArrival" in str(error)
+    assert "worker2" in str(error)  # where it failed
+    if not rebuilt_first:  # undone before the error was delivered
+        assert tables("worker0")["num_forks"] == tables("worker0")["num_pending_children"] == 0
+    # early[0]'s pending child goes when worker1 accepts worker2's fork; early[1]'s fork
+    # stays registered here while worker2 keeps its copy
+    wait_for(lambda: tables("worker0")["num_pending_children"] == 0, "no pending child", WAIT)
+    assert tables("worker0")["num_forks"] == (1 if rebuilt_first else 0)
+    assert rpc.rpc_sync("worker2", kept_values) == ([4, 4] if rebuilt_first else [])
+    assert user.to_here() == 2 and owned.to_here() == 3  # still usable here
+    del user, owned, early, args, error
+    wait_tables_empty()
+
+
+def sum_rrefs_then(early: list[rpc.RRef[Any]], bad: Any, rrefs: list[rpc.RRef[Any]]) -> Any:
+    return sum(r.to_here() for r in [*early, *rrefs])
 
 
 # -- shutdown with leaks (a private 2-worker group per scenario) ----------------------------------

@@ -42,7 +42,7 @@ from ..errors import (
     WorkerLeftError,
 )
 from ..protocol import FLAG_RIDERS, Header, MessageKind, encode_header, encode_inline
-from ..serialization import dumps, pickling_for
+from ..serialization import PickleTarget, dumps, pickling_for
 from ..transport import Transport
 from ._calls import (
     CallHook,
@@ -146,7 +146,7 @@ class Agent(MessageDispatcher):
         self._shutdown_hooks: list[Callable[[float], None]] = []
         self._close_hooks: list[Callable[[bool], None]] = []
         self._pending: dict[int, PendingCall] = {}
-        self._late_replies: OrderedDict[int, int] = OrderedDict()  # see _give_up
+        self._late_replies: OrderedDict[int, tuple[int, PickleTarget | None]] = OrderedDict()
         self._deadlines = Deadlines()
         self._message_ids = itertools.count(1)
         self._inflight = 0
@@ -339,7 +339,10 @@ class Agent(MessageDispatcher):
                 target.abort()
                 raise
         try:
-            return self.send_encoded(dest, kind, body, timeout, description, on_result, buffers)
+            return self.send_encoded(
+                dest, kind, body, timeout, description, on_result, buffers,
+                target if target.has_undo else None,
+            )
         except BaseException:
             target.abort()  # nothing was sent: undo what pickling registered (RRef forks)
             raise
@@ -353,6 +356,7 @@ class Agent(MessageDispatcher):
         description: str = "",
         on_result: Callable[[Any], Any] | None = None,
         buffers: list[Any] | None = None,
+        undo: PickleTarget | None = None,
     ) -> Future[Any]:
         """Send an already encoded request (``dest``: a WorkerInfo or GroupMember)."""
         if isinstance(dest, GroupMember):
@@ -363,7 +367,7 @@ class Agent(MessageDispatcher):
         future: Future[Any] = Future(lambda: f"{description or kind.name} on {dest.name}", self)
         self._pending[message_id] = PendingCall(
             future, dest, description, timeout, on_result, self._take_credit(dest, kind, timeout),
-            kind,
+            kind, undo,
         )
         if timeout > 0:
             self._deadlines.add(time.monotonic() + timeout, message_id)

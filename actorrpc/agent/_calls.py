@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from ..protocol import MessageKind
+from ..serialization import PickleTarget
 from ._futures import Future
 from ._worker_info import WorkerInfo
 
@@ -78,7 +79,9 @@ class HandlerEntry:
 class PendingCall:
     """A request sent and not yet answered (one per message id)."""
 
-    __slots__ = ("credits", "description", "dest", "future", "kind", "on_result", "timeout")
+    __slots__ = (
+        "credits", "description", "dest", "future", "kind", "on_result", "timeout", "undo",
+    )
 
     def __init__(
         self,
@@ -89,8 +92,12 @@ class PendingCall:
         on_result: Callable[[Any], Any] | None = None,
         credits: FlowCredits | None = None,
         kind: MessageKind = MessageKind.CALL,
+        undo: PickleTarget | None = None,
     ) -> None:
         self.kind = kind
+        # what pickling the request registered (RRef forks): undone, but for what the
+        # receiver took over, if it answers that it could not unpickle the request
+        self.undo = undo
         self.future = future
         self.dest = dest
         self.description = description
@@ -146,10 +153,16 @@ class FlowCredits:
 
 
 class Failure:
-    __slots__ = ("error",)
+    """A request's failure; ``undecoded``: the request itself could not be unpickled, and
+    these are the keys of the side effects (RRef forks) taken over before it failed."""
 
-    def __init__(self, error: BaseException) -> None:
+    __slots__ = ("error", "undecoded")
+
+    def __init__(
+        self, error: BaseException, undecoded: tuple[Hashable, ...] | None = None
+    ) -> None:
         self.error = error
+        self.undecoded = undecoded
 
 
 def outcome_of(future: torch.futures.Future) -> Any:

@@ -16,6 +16,10 @@ Invariants:
   unpickled first, so that RRefs forked into it are rebuilt and released as usual
   (else their owners would keep them for good); a reply to a call never made is
   never unpickled.
+* A request that cannot be unpickled (or is refused before) is answered with an
+  EXCEPTION naming the RRef forks rebuilt before the failure (none if refused);
+  the sender then undoes the forks it made for that request but those, as if it
+  had never been sent (a rebuilt fork is the receiver's to release).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +45,7 @@ from ..protocol import (
     decode_header,
     decode_riders,
 )
-from ..serialization import dumps, loads, pickling_for, unpickling_from
+from ..serialization import PickleTarget, dumps, loads, pickling_for, unpickling_from
 from ._calls import (
     CallHook,
     CallRecord,
@@ -89,7 +93,7 @@ class MessageDispatcher:
     _handlers: dict[MessageKind, HandlerEntry]
     _hooks: list[CallHook]
     _pending: dict[int, PendingCall]
-    _late_replies: OrderedDict[int, int]
+    _late_replies: OrderedDict[int, tuple[int, PickleTarget | None]]
     _members: dict[int, GroupMember]
     _infos: dict[int, WorkerInfo]
     _inflight: int
@@ -144,10 +148,18 @@ class MessageDispatcher:
             else:  # the error goes to the caller instead
                 self._reply_exception(sender, message_id, exc)
 
-    def _reply_exception(self, sender: int, message_id: int, exc: BaseException) -> None:
+    def _reply_exception(
+        self,
+        sender: int,
+        message_id: int,
+        exc: BaseException,
+        undecoded: tuple[Hashable, ...] | None = None,
+    ) -> None:
+        """Answer with EXCEPTION; ``undecoded``: see :class:`Failure` (the wire format's
+        fifth field, None when the request was unpickled)."""
         info = pack_exception(exc, repr(self.info))
         try:
-            body, buffers = dumps(info, "exception")
+            body, buffers = dumps((*info, undecoded), "exception")
             self._send(sender, MessageKind.EXCEPTION, message_id, body, buffers)
         except BaseException:  # noqa: BLE001 - last resort: nothing else can be done
             _log.exception("%s: cannot send an error reply to worker %s", self.name, sender)
@@ -166,7 +178,7 @@ class MessageDispatcher:
                 )
                 return
             if isinstance(outcome, Failure):
-                self._reply_exception(sender, message_id, outcome.error)
+                self._reply_exception(sender, message_id, outcome.error, outcome.undecoded)
             else:
                 self._reply(sender, message_id, outcome)
         except BaseException as exc:  # noqa: BLE001
@@ -186,14 +198,19 @@ class MessageDispatcher:
     ) -> None:
         started = time.time()
         payload: Any = None
+        undecoded: tuple[Hashable, ...] | None = None
         try:
             with unpickling_from(sender.id) as source:
-                payload = loads(parts[0], parts[1:])
+                try:
+                    payload = loads(parts[0], parts[1:])
+                except DeserializationError:
+                    undecoded = tuple(source.taken_over)
+                    raise
             for waiter in source.pending:
                 waiter.wait()
             outcome = entry.handler(IncomingRequest(kind, sender, message_id, payload))
         except BaseException as exc:  # noqa: BLE001 - every failure is answered
-            outcome = Failure(exc)
+            outcome = Failure(exc, undecoded)
         self._finish_request(sender.id, message_id, outcome)
         if self.tracer.enabled:
             what = kind.name
@@ -272,8 +289,8 @@ class MessageDispatcher:
                 self._fail_pending(header.message_id, error)
             elif is_response:
                 self.warn(f"dropped a malformed reply from rank {header.sender}")
-            else:
-                self._reply_exception(header.sender, header.message_id, error)
+            else:  # refused before anything in it was unpickled
+                self._reply_exception(header.sender, header.message_id, error, ())
             return
         if is_response:
             self._on_response(header.kind, header.sender, header.message_id, parts)
@@ -287,7 +304,7 @@ class MessageDispatcher:
         if entry is None:
             error = ProtocolError(f"worker {self.name!r} has no handler for kind {kind.name}")
             if message_id:
-                self._reply_exception(sender_rank, message_id, error)
+                self._reply_exception(sender_rank, message_id, error, ())
             else:
                 self.warn(f"dropped a notification from rank {sender_rank}: {error}")
             return
@@ -334,39 +351,59 @@ class MessageDispatcher:
 
     def _give_up(self, message_id: int) -> PendingCall | None:
         """Take a pending call that fails before its reply came; remember whom it went to
-        (the last few thousand), so that its reply, if it still comes, can be released."""
+        (the last few thousand), so that its reply, if it still comes, can be settled."""
         pending = self._take_pending(message_id)
         if pending is not None:
             late = self._late_replies
-            late[message_id] = pending.dest.id
+            late[message_id] = (pending.dest.id, pending.undo)
             if len(late) > _LATE_REPLIES_KEPT:
                 late.popitem(last=False)
         return pending
 
-    def _release_late_reply(self, sender: int, message_id: int, parts: list[Any]) -> None:
+    def _settle_late_reply(
+        self, kind: MessageKind, sender: int, message_id: int, parts: list[Any]
+    ) -> None:
         """Unpickle and drop the late reply to a call given up on: RRefs in it are rebuilt
-        (so their forks are accepted, then deleted) instead of leaking on their owners."""
-        if self._late_replies.pop(message_id, None) != sender:
+        (so their forks are accepted, then deleted) instead of leaking on their owners, and
+        an EXCEPTION saying the request could not be unpickled undoes the request's forks."""
+        late = self._late_replies.pop(message_id, None)
+        if late is None or late[0] != sender:
             return  # a reply to a call never made (or long forgotten): never unpickled
+        undo = late[1]
+        if kind == MessageKind.EXCEPTION and undo is None:
+            return  # an error, and nothing to undo
         try:
             with unpickling_from(sender):
-                loads(parts[0], parts[1:])
+                value = loads(parts[0], parts[1:])
         except DeserializationError as exc:
             self.warn(f"dropped a late reply from rank {sender} that cannot be unpickled: {exc}")
+            return
+        if kind == MessageKind.EXCEPTION and undo is not None:
+            self._error_of_reply(value, undo)
+
+    @staticmethod
+    def _error_of_reply(value: Any, undo: PickleTarget | None) -> BaseException:
+        """The error an EXCEPTION reply's payload describes. When it says the request could
+        not be unpickled, ``undo`` is run but for what the receiver took over."""
+        if not (isinstance(value, tuple) and len(value) == 5):
+            return ProtocolError(f"an error reply holds {type(value).__name__}, not 5 fields")
+        undecoded = value[4]
+        if undo is not None and isinstance(undecoded, tuple):
+            undo.abort(frozenset(undecoded))
+        return rebuild_exception(value[:4])
 
     def _on_response(
         self, kind: MessageKind, sender: int, message_id: int, parts: list[Any]
     ) -> None:
         pending = self._pending.get(message_id)
         if pending is None:  # a late reply to a call that timed out, or failed otherwise
-            if kind == MessageKind.RESPONSE:
-                self._release_late_reply(sender, message_id, parts)
+            self._settle_late_reply(kind, sender, message_id, parts)
             return
         if pending.dest.id != sender:
             self.warn(f"dropped a reply from rank {sender} to a call made to {pending.dest!r}")
             return
         if self._take_pending(message_id) is None:  # it expired meanwhile (another thread)
-            self._release_late_reply(sender, message_id, parts)
+            self._settle_late_reply(kind, sender, message_id, parts)
             return
         if self.inbox.probing and pending.kind in _AWAITED_KINDS:
             self.inbox.stay()  # someone may be waiting for it without taking turns
@@ -385,7 +422,7 @@ class MessageDispatcher:
             )
             return
         if kind == MessageKind.EXCEPTION:
-            complete(pending.future, error=rebuild_exception(value))
+            complete(pending.future, error=self._error_of_reply(value, pending.undo))
             return
         try:
             if pending.on_result is not None:

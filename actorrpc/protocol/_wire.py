@@ -1,4 +1,4 @@
-"""The actorrpc wire format (protocol version 2).
+"""The actorrpc wire format (protocol version 4).
 
 Topology
 --------
@@ -31,8 +31,9 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
 
     offset size field
     0      2    magic       b"AR"
-    2      1    version     PROTOCOL_VERSION (3; 2 sent AUTOGRAD_CLEANUP as a request,
-                            1 had no inline payload)
+    2      1    version     PROTOCOL_VERSION (4; 3 had no fifth EXCEPTION field,
+                            2 sent AUTOGRAD_CLEANUP as a request, 1 had no
+                            inline payload)
     3      1    kind        a :class:`MessageKind`
     4      2    flags       bit 0: FLAG_SHARED_MEMORY, bit 2: FLAG_RIDERS
                             (see below), bit 3: FLAG_INLINE_PAYLOAD (above:
@@ -45,8 +46,8 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
 Message kinds
 -------------
 Every kind except ``RESPONSE`` and ``EXCEPTION`` is a *request* and is answered
-by exactly one ``RESPONSE`` (payload: the result) or ``EXCEPTION`` (payload: a
-``RemoteExceptionInfo`` tuple) carrying the same message id, except a request
+by exactly one ``RESPONSE`` (payload: the result) or ``EXCEPTION`` (payload: the
+tuple in the table below) carrying the same message id, except a request
 with message id 0: that is a *notification* and is never answered
 (``RREF_USER_DELETE``, ``AUTOGRAD_CLEANUP`` and ``SHM_RELEASE`` are sent as
 notifications, usually riding on another message, see below, and the last
@@ -57,7 +58,7 @@ kind                      id  payload
 ========================  ==  ============================================================
 CALL                       1  ``(func, args, kwargs, meta)``
 RESPONSE                   2  result value
-EXCEPTION                  3  ``(type, args, repr, traceback, worker name)``
+EXCEPTION                  3  ``(type, repr, traceback, worker name, undecoded)``
 REMOTE_CALL                4  ``(func, args, kwargs, meta, rref_id, fork_id)``
 RREF_FETCH                 5  ``(rref_id, meta)``
 RREF_FORK_REQUEST          6  ``(rref_id, fork_id)`` user -> owner
@@ -70,6 +71,11 @@ BARRIER                   12  ``(name, rank)``
 MEMBERSHIP                13  UTF-8 JSON, never pickled (dynamic groups, see below)
 SHM_RELEASE               14  ``[segment name, ...]`` the receiver is done with
 ========================  ==  ============================================================
+
+``undecoded`` is None, unless the request could not be unpickled (or was
+refused before): then it is the tuple of fork ids of the RRefs the receiver
+rebuilt before the failure, and the sender undoes every other fork it made for
+that request (as if it had never been sent).
 
 ``meta`` is a dict of call metadata contributed by registered call hooks (for
 example the distributed autograd context id). Higher layers register handlers
@@ -152,7 +158,7 @@ __all__ = [
 ]
 
 MAGIC = b"AR"
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535

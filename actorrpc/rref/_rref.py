@@ -300,8 +300,9 @@ def _reduce_rref(rref: RRef[Any]) -> Any:
     rref._check_usable("share")
     ctx = rref_context(rref._agent)
     fork_id, parent = ctx.fork_for(rref, target.worker_id)
-    # the message may never leave (pickling fails further on, or the send does)
-    target.on_abort.append(lambda: ctx.undo_fork(rref, fork_id, parent))
+    # the message may never leave (pickling fails further on, or the send does), or
+    # its receiver may fail to unpickle it before it rebuilt this RRef (_rebuild_rref)
+    target.add_undo(fork_id, lambda: ctx.undo_fork(rref, fork_id, parent))
     return _rebuild_rref, (rref._owner, rref._rref_id, fork_id, parent)
 
 
@@ -314,6 +315,9 @@ def _rebuild_rref(
     """Unpickle an RRef: the receiving side of the four sharing cases."""
     agent = current_agent()
     ctx = rref_context(agent)
+    source = current_unpickle_source()
+    if source is not None and fork_id is not None:
+        source.taken_over.append(fork_id)  # the fork is this side's now, even if the rest fails
     if owner.id == agent.rank:
         return RRef._make_owner(agent, ctx.receive_at_owner(rref_id, fork_id, parent))
     assert fork_id is not None
@@ -332,7 +336,6 @@ def _rebuild_rref(
         ctx.fork_acknowledged(fork_id, parent)
 
     confirmed = request.then(acknowledged)
-    source = current_unpickle_source()
     if source is not None:
         source.pending.append(confirmed)  # the callee runs only once every RRef is confirmed
     return rref

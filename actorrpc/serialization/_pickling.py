@@ -29,7 +29,7 @@ import threading
 import types
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
 import dill
@@ -58,17 +58,32 @@ class PickleTarget:
     """Where the bytes being pickled on this thread will go (a worker id).
 
     Reducers with side effects (an RRef registers a fork when it is pickled)
-    add an undo to :attr:`on_abort`; whoever pickled calls :meth:`abort` when
-    the bytes will never be sent (pickling failed midway, or the send did).
+    record an undo with :meth:`add_undo`, keyed by what the receiver will take
+    over when it unpickles the object (the fork id). Whoever pickled calls
+    :meth:`abort` when the bytes will never be sent (pickling failed midway, or
+    the send did), or, with the keys the receiver reported as taken over, when
+    the receiver could not unpickle the whole message.
     """
+
+    __slots__ = ("_undo", "worker_id")
 
     def __init__(self, worker_id: int) -> None:
         self.worker_id = worker_id
-        self.on_abort: list[Callable[[], None]] = []
+        self._undo: list[tuple[Hashable, Callable[[], None]]] = []
 
-    def abort(self) -> None:
-        undo, self.on_abort = self.on_abort, []
-        for action in reversed(undo):
+    def add_undo(self, key: Hashable, action: Callable[[], None]) -> None:
+        self._undo.append((key, action))
+
+    @property
+    def has_undo(self) -> bool:
+        return bool(self._undo)
+
+    def abort(self, taken_over: Collection[Hashable] = ()) -> None:
+        """Undo every side effect of pickling but those whose key is in ``taken_over``."""
+        undo, self._undo = self._undo, []
+        for key, action in reversed(undo):
+            if key in taken_over:
+                continue
             try:
                 action()
             except Exception:  # noqa: BLE001 - undo what can be undone
@@ -78,9 +93,14 @@ class PickleTarget:
 class UnpickleSource:
     """Which worker sent the bytes being unpickled on this thread."""
 
+    __slots__ = ("pending", "taken_over", "worker_id")
+
     def __init__(self, worker_id: int) -> None:
         self.worker_id = worker_id
         self.pending: list[Any] = []  # futures to wait on before the payload may be used
+        # keys (see PickleTarget.add_undo) of side effects this side took over while
+        # unpickling: reported back when the rest of the message cannot be unpickled
+        self.taken_over: list[Hashable] = []
 
 
 def register_reducer(cls: type, reducer: Reducer) -> None:
