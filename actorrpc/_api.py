@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from collections.abc import Callable
@@ -36,6 +37,21 @@ __all__ = [
 
 _init_lock = threading.Lock()
 _ACCEPTED_BACKENDS = {"ZMQ", "TENSORPIPE", "PROCESS_GROUP"}
+_froze_gc = False  # init_rpc froze the collector's objects, and shutdown unfreezes them
+
+
+def _freeze_gc() -> None:
+    """See ``ZmqRpcBackendOptions.freeze_gc``; objects frozen before (by the user) stay so."""
+    global _froze_gc
+    _froze_gc = gc.get_freeze_count() == 0
+    gc.freeze()
+
+
+def _unfreeze_gc() -> None:
+    global _froze_gc
+    if _froze_gc:
+        gc.unfreeze()
+        _froze_gc = False
 
 
 def _from_environment(value: int | None, variable: str, what: str) -> int:
@@ -144,6 +160,8 @@ def init_rpc(
         except BaseException:
             set_current_agent(None)
             raise
+        if options.freeze_gc:
+            _freeze_gc()
 
 
 def is_initialized() -> bool:
@@ -171,6 +189,7 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
             agent.shutdown(graceful, timeout)
         finally:
             set_current_agent(None)
+            _unfreeze_gc()
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

@@ -23,6 +23,7 @@ reference and share the module's state.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -168,6 +169,7 @@ def scenario_lifecycle(rank: int, world_size: int, init_method: str) -> dict[str
     )
     out["round1_peer"] = rpc.rpc_sync(peer, torch.add, args=(t, rank)).tolist()
     out["round1_self"] = rpc.rpc_sync(me, whoami)
+    out["round1_frozen_objects"] = gc.get_freeze_count()
     if rank == 0:
         # definitions made in __main__ (a notebook, a script) that the receiver's own
         # __main__ also defines, differently: the sender's must run
@@ -191,13 +193,16 @@ def scenario_lifecycle(rank: int, world_size: int, init_method: str) -> dict[str
         "shutdown": _error(lambda: rpc.shutdown()),
     }
     out["after_shutdown_is_initialized"] = rpc.is_initialized()
+    out["after_shutdown_frozen_objects"] = gc.get_freeze_count()
 
     _log("4. re-init on the same init method; graceful shutdown, uneven workload")
     if rank == 0:
         signal("round1-closed")
     else:
         out["round1_closed_seen"] = wait_signal("round1-closed")
+    options.freeze_gc = False
     rpc.init_rpc(me, rank=rank, world_size=world_size, rpc_backend_options=options)
+    out["round2_frozen_objects"] = gc.get_freeze_count()
     out["round2_peer"] = rpc.rpc_sync(peer, torch.add, args=(t, 10 + rank)).tolist()
     out["round2_infos"] = [(i.name, i.id) for i in rpc.get_worker_infos()]
     calls = 40
