@@ -103,7 +103,7 @@ def test_too_many_buffers_rejected():
         (_RAW.pack(b"AR", 5, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", 255, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", _V, 0, 0, 0, 0, 1), "kind"),
-        (_RAW.pack(b"AR", _V, 15, 0, 0, 0, 1), "kind"),
+        (_RAW.pack(b"AR", _V, 16, 0, 0, 0, 1), "kind"),
         (_RAW.pack(b"AR", _V, 255, 0, 0, 0, 1), "kind"),
         (b"", "0 bytes"),
         (b"AR", "2 bytes"),
@@ -126,7 +126,7 @@ def test_too_many_buffers_rejected():
         "version-5",
         "version-255",
         "kind-0",
-        "kind-15",
+        "kind-16",
         "kind-255",
         "empty",
         "magic-only",
@@ -148,6 +148,7 @@ def test_malformed_header_raises_protocol_error(frame, match):
 
 def test_riders_roundtrip_in_order():
     riders = [(MessageKind.RREF_USER_DELETE, b"abc"), (MessageKind.SHM_RELEASE, b""),
+              (MessageKind.AUTOGRAD_CLEANUP, b"c"), (MessageKind.REPLY_UNDECODED, b"r"),
               (MessageKind.RREF_USER_DELETE, b"x" * 70000)]
     decoded = decode_riders(encode_riders([(int(k), b) for k, b in riders]))
     assert [(k, bytes(b)) for k, b in decoded] == riders

@@ -770,7 +770,7 @@ def test_fifo_survives_calls_that_never_run() -> None:
     # the payloads that failed to unpickle on the owner never rebuilt their RRef: their
     # error replies said so, and the forks made for them were undone here (the others'
     # child accepts may still be on their way)
-    wait_for(lambda: journal not in rref_context().pending_children.values(),
+    wait_for(lambda j=journal: j not in rref_context().pending_children.values(),
              "no pending child of the journal", WAIT)
     del journal, futures
     wait_tables_empty()
@@ -1114,6 +1114,33 @@ def test_undecodable_request_undoes_the_forks_not_rebuilt(rebuilt_first: bool) -
 
 def sum_rrefs_then(early: list[rpc.RRef[Any]], bad: Any, rrefs: list[rpc.RRef[Any]]) -> Any:
     return sum(r.to_here() for r in [*early, *rrefs])
+
+
+def reply_with_forks(rebuilt_first: bool) -> list[Any]:
+    """On worker1: a reply the caller cannot unpickle past BadOnArrival."""
+    user = rpc.remote("worker2", add, args=(1, 1))  # worker1 is a user of worker2's value
+    assert user.to_here() == 2
+    early = [rpc.remote("worker2", add, args=(2, 2)), rpc.RRef(4)] if rebuilt_first else []
+    return [KeptOnArrival(early), BadOnArrival(), [user, rpc.RRef(3)]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rebuilt_first", [False, True], ids=["none-rebuilt", "some-rebuilt"])
+def test_undecodable_reply_undoes_the_callees_forks_not_rebuilt(rebuilt_first: bool) -> None:
+    # The other way round: worker0 cannot unpickle worker1's reply; it tells worker1 which
+    # forks it rebuilt (REPLY_UNDECODED) and worker1 undoes the others.
+    error = error_of(rpc.rpc_async("worker1", reply_with_forks, args=(rebuilt_first,)))
+    assert isinstance(error, rpc.DeserializationError) and "BadOnArrival" in str(error)
+    assert "worker1" in str(error)  # whose reply
+    wait_for(lambda: tables("worker1")["num_pending_children"] == 0 or None,
+             "no pending child on worker1", WAIT)
+    # early[1]'s fork stays registered on worker1 while worker0 keeps its copy
+    wait_for(lambda: tables("worker1")["num_forks"] == (1 if rebuilt_first else 0) or None,
+             "worker1's forks undone", WAIT)
+    kept = _kept.pop()
+    assert [r.to_here() for r in kept] == ([4, 4] if rebuilt_first else [])
+    del kept, error
+    wait_tables_empty()
 
 
 # -- shutdown with leaks (a private 2-worker group per scenario) ----------------------------------

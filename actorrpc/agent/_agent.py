@@ -29,7 +29,6 @@ import queue
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,6 +51,7 @@ from ._calls import (
     HandlerEntry,
     IncomingRequest,
     PendingCall,
+    RecentEntries,
 )
 from ._deadlines import Deadlines
 from ._dispatch import MessageDispatcher
@@ -84,6 +84,7 @@ _MAX_POLL = 0.05
 _INLINE_LIMIT = 8192  # payloads up to this size travel in the header's frame
 _CALL_FIELDS = ("func", "args", "kwargs", "meta")
 _CREDITED_KINDS = frozenset({MessageKind.CALL, MessageKind.REMOTE_CALL})
+_RECENT_KEPT = 4096  # calls given up on, replies that forked RRefs: remembered for their answers
 _PAYLOAD_FIELDS: dict[MessageKind, Any] = {
     MessageKind.CALL: _CALL_FIELDS,
     MessageKind.REMOTE_CALL: _CALL_FIELDS,
@@ -146,7 +147,8 @@ class Agent(MessageDispatcher):
         self._shutdown_hooks: list[Callable[[float], None]] = []
         self._close_hooks: list[Callable[[bool], None]] = []
         self._pending: dict[int, PendingCall] = {}
-        self._late_replies: OrderedDict[int, tuple[int, PickleTarget | None]] = OrderedDict()
+        self._late_replies: RecentEntries[Any, Any] = RecentEntries(_RECENT_KEPT)
+        self._replies_with_forks: RecentEntries[Any, Any] = RecentEntries(_RECENT_KEPT)
         self._deadlines = Deadlines()
         self._message_ids = itertools.count(1)
         self._inflight = 0
@@ -170,6 +172,9 @@ class Agent(MessageDispatcher):
         self._pool = WorkerPool(options.num_worker_threads, f"actorrpc-{name}")
         self.register_handler(MessageKind.CALL, self._handle_call)
         self.register_handler(MessageKind.PING, lambda request: None, inline=True)
+        self.register_handler(
+            MessageKind.REPLY_UNDECODED, self._handle_reply_undecoded, inline=True
+        )
         try:
             for install in _plugins:
                 install(self)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -26,6 +27,7 @@ __all__ = [
     "HandlerEntry",
     "IncomingRequest",
     "PendingCall",
+    "RecentEntries",
     "outcome_of",
     "run_user_function",
 ]
@@ -150,6 +152,34 @@ class FlowCredits:
     @property
     def in_flight(self) -> int:
         return self.limit - self._available
+
+
+_Key = TypeVar("_Key")
+_Value = TypeVar("_Value")
+
+
+class RecentEntries(Generic[_Key, _Value]):
+    """The last ``limit`` entries remembered (older ones are forgotten); any thread."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._entries: OrderedDict[_Key, _Value] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, key: _Key, value: _Value) -> bool:
+        with self._lock:
+            self._entries[key] = value
+            if len(self._entries) > self._limit:
+                self._entries.popitem(last=False)
+        return True
+
+    def take(self, key: _Key) -> _Value | None:
+        """Forget ``key``; return what it held (None if it was never or no longer kept)."""
+        with self._lock:
+            return self._entries.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class Failure:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
@@ -53,6 +52,7 @@ from ._calls import (
     HandlerEntry,
     IncomingRequest,
     PendingCall,
+    RecentEntries,
     outcome_of,
     run_user_function,
 )
@@ -72,7 +72,6 @@ __all__ = ["MessageDispatcher"]
 
 _log = logging.getLogger("actorrpc.agent")
 _WARN_INTERVAL = 5.0
-_LATE_REPLIES_KEPT = 4096
 # replies a user may wait for (control replies, such as remote()'s creation ack or a
 # cleanup's, arrive after what is waited for and must not keep the I/O thread on the inbox)
 _AWAITED_KINDS = frozenset(
@@ -93,7 +92,8 @@ class MessageDispatcher:
     _handlers: dict[MessageKind, HandlerEntry]
     _hooks: list[CallHook]
     _pending: dict[int, PendingCall]
-    _late_replies: OrderedDict[int, tuple[int, PickleTarget | None]]
+    _late_replies: RecentEntries[int, tuple[int, PickleTarget | None]]
+    _replies_with_forks: RecentEntries[tuple[int, int], PickleTarget]
     _members: dict[int, GroupMember]
     _infos: dict[int, WorkerInfo]
     _inflight: int
@@ -109,6 +109,9 @@ class MessageDispatcher:
         raise NotImplementedError
 
     def _take_pending(self, message_id: int) -> PendingCall | None:
+        raise NotImplementedError
+
+    def notify_soon(self, rank: int, kind: MessageKind, payload: Any) -> None:
         raise NotImplementedError
 
     def _on_membership(self, identity: bytes, header: Header, frames: list[Any]) -> None:
@@ -137,11 +140,17 @@ class MessageDispatcher:
 
     def _reply(self, sender: int, message_id: int, value: Any) -> None:
         pickling = pickling_for(sender)
+        remembered = False
         try:
             with pickling:
                 body, buffers = dumps(value, "result")
+            if pickling.target.has_undo:  # before sending: REPLY_UNDECODED may come at once
+                remembered = self._replies_with_forks.remember((sender, message_id),
+                                                               pickling.target)
             self._send(sender, MessageKind.RESPONSE, message_id, body, buffers)
         except BaseException as exc:  # noqa: BLE001 - nothing was sent
+            if remembered:
+                self._replies_with_forks.take((sender, message_id))
             pickling.target.abort()  # undo what pickling registered (RRef forks)
             if isinstance(exc, PeerUnreachableError):
                 _log.warning("%s: cannot reply to worker %s: it is unreachable", self.name, sender)
@@ -354,10 +363,7 @@ class MessageDispatcher:
         (the last few thousand), so that its reply, if it still comes, can be settled."""
         pending = self._take_pending(message_id)
         if pending is not None:
-            late = self._late_replies
-            late[message_id] = (pending.dest.id, pending.undo)
-            if len(late) > _LATE_REPLIES_KEPT:
-                late.popitem(last=False)
+            self._late_replies.remember(message_id, (pending.dest.id, pending.undo))
         return pending
 
     def _settle_late_reply(
@@ -366,20 +372,38 @@ class MessageDispatcher:
         """Unpickle and drop the late reply to a call given up on: RRefs in it are rebuilt
         (so their forks are accepted, then deleted) instead of leaking on their owners, and
         an EXCEPTION saying the request could not be unpickled undoes the request's forks."""
-        late = self._late_replies.pop(message_id, None)
+        late = self._late_replies.take(message_id)
         if late is None or late[0] != sender:
             return  # a reply to a call never made (or long forgotten): never unpickled
         undo = late[1]
         if kind == MessageKind.EXCEPTION and undo is None:
             return  # an error, and nothing to undo
         try:
-            with unpickling_from(sender):
+            with unpickling_from(sender) as source:
                 value = loads(parts[0], parts[1:])
         except DeserializationError as exc:
+            if kind == MessageKind.RESPONSE:
+                self._report_undecoded_reply(sender, message_id, source.taken_over)
             self.warn(f"dropped a late reply from rank {sender} that cannot be unpickled: {exc}")
             return
         if kind == MessageKind.EXCEPTION and undo is not None:
             self._error_of_reply(value, undo)
+
+    def _report_undecoded_reply(
+        self, sender: int, message_id: int, taken_over: list[Hashable]
+    ) -> None:
+        """Tell ``sender`` its reply could not be unpickled, naming the forks rebuilt."""
+        self.notify_soon(sender, MessageKind.REPLY_UNDECODED, (message_id, tuple(taken_over)))
+
+    def _handle_reply_undecoded(self, request: IncomingRequest) -> None:
+        """A caller could not unpickle this worker's reply: undo the reply's other forks."""
+        payload = request.payload
+        if not (isinstance(payload, tuple) and len(payload) == 2
+                and isinstance(payload[0], int) and isinstance(payload[1], tuple)):
+            raise ProtocolError("REPLY_UNDECODED carries (message id, fork ids)")
+        target = self._replies_with_forks.take((request.sender.id, payload[0]))
+        if target is not None:
+            target.abort(frozenset(payload[1]))
 
     @staticmethod
     def _error_of_reply(value: Any, undo: PickleTarget | None) -> BaseException:
@@ -411,9 +435,11 @@ class MessageDispatcher:
             outcome = "error" if kind == MessageKind.EXCEPTION else "ok"
             self.tracer.call_done(message_id, sum(memoryview(p).nbytes for p in parts), outcome)
         try:
-            with unpickling_from(sender):
+            with unpickling_from(sender) as source:
                 value = loads(parts[0], parts[1:])
         except DeserializationError as exc:
+            if kind == MessageKind.RESPONSE:
+                self._report_undecoded_reply(sender, message_id, source.taken_over)
             complete(
                 pending.future,
                 error=DeserializationError(

@@ -31,9 +31,9 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
 
     offset size field
     0      2    magic       b"AR"
-    2      1    version     PROTOCOL_VERSION (4; 3 had no fifth EXCEPTION field,
-                            2 sent AUTOGRAD_CLEANUP as a request, 1 had no
-                            inline payload)
+    2      1    version     PROTOCOL_VERSION (4; 3 had no fifth EXCEPTION field and
+                            no REPLY_UNDECODED, 2 sent AUTOGRAD_CLEANUP as a
+                            request, 1 had no inline payload)
     3      1    kind        a :class:`MessageKind`
     4      2    flags       bit 0: FLAG_SHARED_MEMORY, bit 2: FLAG_RIDERS
                             (see below), bit 3: FLAG_INLINE_PAYLOAD (above:
@@ -49,9 +49,9 @@ Every kind except ``RESPONSE`` and ``EXCEPTION`` is a *request* and is answered
 by exactly one ``RESPONSE`` (payload: the result) or ``EXCEPTION`` (payload: the
 tuple in the table below) carrying the same message id, except a request
 with message id 0: that is a *notification* and is never answered
-(``RREF_USER_DELETE``, ``AUTOGRAD_CLEANUP`` and ``SHM_RELEASE`` are sent as
-notifications, usually riding on another message, see below, and the last
-``MEMBERSHIP`` message of a leaving worker). Payloads are pickled tuples:
+(``RREF_USER_DELETE``, ``AUTOGRAD_CLEANUP``, ``SHM_RELEASE`` and
+``REPLY_UNDECODED`` are sent as notifications, usually riding on another message,
+see below, and the last ``MEMBERSHIP`` message of a leaving worker). Payloads are pickled tuples:
 
 ========================  ==  ============================================================
 kind                      id  payload
@@ -70,12 +70,17 @@ PING                      11  ``()`` application-level liveness check
 BARRIER                   12  ``(name, rank)``
 MEMBERSHIP                13  UTF-8 JSON, never pickled (dynamic groups, see below)
 SHM_RELEASE               14  ``[segment name, ...]`` the receiver is done with
+REPLY_UNDECODED           15  ``(message id, fork ids)`` caller -> callee, see below
 ========================  ==  ============================================================
 
 ``undecoded`` is None, unless the request could not be unpickled (or was
 refused before): then it is the tuple of fork ids of the RRefs the receiver
 rebuilt before the failure, and the sender undoes every other fork it made for
-that request (as if it had never been sent).
+that request (as if it had never been sent). The other way round, a caller that
+cannot unpickle a ``RESPONSE`` tells the callee in a ``REPLY_UNDECODED``
+notification naming the request's message id and the fork ids it rebuilt; the
+callee undoes the other forks it made for that reply (it remembers the last
+4,096 replies that carried RRefs).
 
 ``meta`` is a dict of call metadata contributed by registered call hooks (for
 example the distributed autograd context id). Higher layers register handlers
@@ -104,8 +109,9 @@ more notifications, each as ``!BI`` (kind, payload length) followed by that many
 payload bytes (the notification's pickled payload). The receiver handles them
 in order, as notifications from the sender (message id 0), before the message
 that carried them (even when that message itself is refused). They may ride on
-every kind but ``MEMBERSHIP``. Only ``RREF_USER_DELETE``, ``AUTOGRAD_CLEANUP`` and
-``SHM_RELEASE`` may ride; any other kind makes the message malformed.
+every kind but ``MEMBERSHIP``. Only ``RREF_USER_DELETE``, ``AUTOGRAD_CLEANUP``,
+``SHM_RELEASE`` and ``REPLY_UNDECODED`` may ride; any other kind makes the message
+malformed.
 
 Membership messages
 -------------------
@@ -186,6 +192,7 @@ class MessageKind(enum.IntEnum):
     BARRIER = 12
     MEMBERSHIP = 13
     SHM_RELEASE = 14
+    REPLY_UNDECODED = 15
 
 
 RESPONSE_KINDS = frozenset({MessageKind.RESPONSE, MessageKind.EXCEPTION})
@@ -251,9 +258,10 @@ def decode_header(frame: bytes | memoryview) -> Header:
     return Header(message_kind, nbuffers, sender, message_id, flags)
 
 
-_RIDER_KINDS = frozenset(
-    {MessageKind.RREF_USER_DELETE, MessageKind.AUTOGRAD_CLEANUP, MessageKind.SHM_RELEASE}
-)
+_RIDER_KINDS = frozenset({
+    MessageKind.RREF_USER_DELETE, MessageKind.AUTOGRAD_CLEANUP, MessageKind.SHM_RELEASE,
+    MessageKind.REPLY_UNDECODED,
+})
 
 
 def encode_riders(riders: list[tuple[int, bytes]]) -> bytes:

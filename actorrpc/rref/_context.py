@@ -420,10 +420,13 @@ class RRefContext:
         self.add_pending_child(fork_id, handle)
         return fork_id, self.rank
 
-    def undo_fork(self, handle: Handle, fork_id: GloballyUniqueId, parent: int | None) -> None:
-        """The message carrying a fork from :meth:`fork_for` was never sent: forget it."""
+    def undo_fork(
+        self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, parent: int | None
+    ) -> None:
+        """The message carrying a fork from :meth:`fork_for` was never sent, or its
+        receiver could not unpickle it before it rebuilt the fork: forget it."""
         if parent is None:
-            self.delete_fork(handle._rref_id, fork_id)
+            self.delete_fork(rref_id, fork_id)
         else:
             self.accept_child(fork_id)
 

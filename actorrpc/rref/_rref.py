@@ -20,6 +20,7 @@ Sharing cases (A, B, C are workers; B owns the value):
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from typing import Any, Generic, TypeVar
@@ -302,7 +303,7 @@ def _reduce_rref(rref: RRef[Any]) -> Any:
     fork_id, parent = ctx.fork_for(rref, target.worker_id)
     # the message may never leave (pickling fails further on, or the send does), or
     # its receiver may fail to unpickle it before it rebuilt this RRef (_rebuild_rref)
-    target.add_undo(fork_id, lambda: ctx.undo_fork(rref, fork_id, parent))
+    target.add_undo(fork_id, functools.partial(ctx.undo_fork, rref._rref_id, fork_id, parent))
     return _rebuild_rref, (rref._owner, rref._rref_id, fork_id, parent)
 
 
