@@ -52,6 +52,7 @@ from ._calls import (
     IncomingRequest,
     PendingCall,
     RecentEntries,
+    compose_reply_transforms,
 )
 from ._deadlines import Deadlines
 from ._dispatch import MessageDispatcher
@@ -435,22 +436,8 @@ class Agent(MessageDispatcher):
     ) -> tuple[CallRecord, Callable[[Any], Any] | None]:
         """Run every hook's ``before_send``; return the call and the reply transform."""
         record = CallRecord(dest, {}, args, kwargs)
-        transforms: list[Callable[[Any], Any]] = []
-        for hook in self._hooks:
-            transform = hook.before_send(record)
-            if transform:
-                transforms.append(transform)
-        if not transforms:
-            return record, None
-        if len(transforms) == 1:
-            return record, transforms[0]
-
-        def transform_all(value: Any) -> Any:
-            for transform in reversed(transforms):
-                value = transform(value)
-            return value
-
-        return record, transform_all
+        transforms = [t for t in (hook.before_send(record) for hook in self._hooks) if t]
+        return record, compose_reply_transforms(transforms)
 
     def call(
         self,

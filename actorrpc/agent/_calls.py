@@ -28,6 +28,7 @@ __all__ = [
     "IncomingRequest",
     "PendingCall",
     "RecentEntries",
+    "compose_reply_transforms",
     "outcome_of",
     "run_user_function",
 ]
@@ -152,6 +153,23 @@ class FlowCredits:
     @property
     def in_flight(self) -> int:
         return self.limit - self._available
+
+
+def compose_reply_transforms(
+    transforms: list[Callable[[Any], Any]],
+) -> Callable[[Any], Any] | None:
+    """One transform of a reply from the hooks' (applied last hook first), or None."""
+    if not transforms:
+        return None
+    if len(transforms) == 1:
+        return transforms[0]
+
+    def transform_all(value: Any) -> Any:
+        for transform in reversed(transforms):
+            value = transform(value)
+        return value
+
+    return transform_all
 
 
 _Key = TypeVar("_Key")
