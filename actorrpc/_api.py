@@ -153,15 +153,16 @@ def init_rpc(
     with _init_lock:
         if _current_or_none() is not None:
             raise AlreadyInitializedError("RPC is already initialized in this process")
-        agent = Agent(name, rank, world_size, options)
-        # current once the group is known, before serving starts: served functions use the API
+        if options.freeze_gc:  # first: a full collection may otherwise land in the rendezvous
+            _freeze_gc()
         try:
+            agent = Agent(name, rank, world_size, options)
+            # current once the group is known, before serving starts: served functions use it
             agent.start(on_joined=lambda: set_current_agent(agent))
         except BaseException:
             set_current_agent(None)
+            _unfreeze_gc()
             raise
-        if options.freeze_gc:
-            _freeze_gc()
 
 
 def is_initialized() -> bool:

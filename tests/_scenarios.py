@@ -332,6 +332,7 @@ def scenario_failures(rank: int, world_size: int, init_method: str) -> dict[str,
     out["no_world_size"] = _error(lambda: rpc.init_rpc("w", rank=0))
     out["rank_out_of_range"] = _error(lambda: rpc.init_rpc("w", rank=2, world_size=2))
     out["is_initialized_after_failures"] = rpc.is_initialized()
+    out["frozen_objects_after_failures"] = gc.get_freeze_count()  # (unfrozen by each failure)
 
     _log("the failures left nothing behind: a 1-worker group works")
     solo = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{unused_port()}")

@@ -292,6 +292,7 @@ def test_env_configuration_errors(runs):
 def test_failed_inits_leave_nothing_behind(runs):
     result = _result(runs, "failures")
     assert result["is_initialized_after_failures"] is False
+    assert result["frozen_objects_after_failures"] == 0
     assert result["solo_call"] == 2.0
     assert result["solo_remote"] == "solo"
     assert result["solo_shutdown_s"] < 5

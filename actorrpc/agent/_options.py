@@ -64,13 +64,13 @@ class ZmqRpcBackendOptions:
             The default comes from ``ACTORRPC_SHM_THRESHOLD`` when it is set.
         strict_rref_leaks: make a graceful ``shutdown`` raise when RRefs leak
             (by default leaks are logged as warnings).
-        freeze_gc: when ``init_rpc`` returns, move every object alive then
-            (torch's modules, the user's model) out of reach of Python's cyclic
-            garbage collector (:func:`gc.freeze`) until ``shutdown``: with torch
-            loaded, each full collection otherwise scans ~170,000 objects and
-            stalls the worker for ~70 ms, in the middle of whatever call it
-            serves. Reference counting still frees those objects; only cycles
-            among them wait until ``shutdown``.
+        freeze_gc: ``init_rpc`` first moves every object alive then (torch's
+            modules, the user's model) out of reach of Python's cyclic garbage
+            collector (:func:`gc.freeze`) until ``shutdown``: with torch loaded,
+            each full collection otherwise scans ~170,000 objects and stalls the
+            worker for ~70 ms, in the middle of whatever call it serves (or of
+            ``init_rpc`` itself). Reference counting still frees those objects;
+            only cycles among them wait until ``shutdown``.
         device_maps, devices: accepted for torch compatibility; CPU only.
 
     Example::
