@@ -184,12 +184,11 @@ class RecentEntries(Generic[_Key, _Value]):
         self._entries: OrderedDict[_Key, _Value] = OrderedDict()
         self._lock = threading.Lock()
 
-    def remember(self, key: _Key, value: _Value) -> bool:
+    def remember(self, key: _Key, value: _Value) -> None:
         with self._lock:
             self._entries[key] = value
             if len(self._entries) > self._limit:
                 self._entries.popitem(last=False)
-        return True
 
     def take(self, key: _Key) -> _Value | None:
         """Forget ``key``; return what it held (None if it was never or no longer kept)."""

@@ -145,8 +145,8 @@ class MessageDispatcher:
             with pickling:
                 body, buffers = dumps(value, "result")
             if pickling.target.has_undo:  # before sending: REPLY_UNDECODED may come at once
-                remembered = self._replies_with_forks.remember((sender, message_id),
-                                                               pickling.target)
+                self._replies_with_forks.remember((sender, message_id), pickling.target)
+                remembered = True
             self._send(sender, MessageKind.RESPONSE, message_id, body, buffers)
         except BaseException as exc:  # noqa: BLE001 - nothing was sent
             if remembered:
