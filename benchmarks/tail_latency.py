@@ -1,7 +1,7 @@
 """Tail latency of remote()+to_here(), side by side: torch, actorrpc, and actorrpc
 without its garbage-collector freeze.
 
-    python benchmarks/tail_latency.py [--n 15000] [--pin split] [--backends ...]
+    python benchmarks/tail_latency.py [--n 15000] [--warmup 300] [--pin split] [--backends ...]
 
 For each backend two spawned processes (rank 0 calls, rank 1 serves) run ``--n``
 ``remote(noop).to_here()`` after a warm-up and report the median, p99, p99.9 and
@@ -77,7 +77,9 @@ def full_collection_ms() -> float:
     return (time.perf_counter() - began) * 1e3
 
 
-def _worker(rank: int, name: str, port: int, n: int, pin: str, results: Any) -> None:
+def _worker(
+    rank: int, name: str, port: int, n: int, warmup: int, pin: str, results: Any
+) -> None:
     pin_process(rank, pin)
     backend = Backend(name.split("-")[0], port)
     if name.endswith("-nofreeze"):
@@ -85,7 +87,7 @@ def _worker(rank: int, name: str, port: int, n: int, pin: str, results: Any) -> 
     rpc = backend.rpc
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=backend.options)
     if rank == 0:
-        for i in range(300):
+        for i in range(warmup):
             rpc.remote(PEER, noop, args=(i,)).to_here()
         rpc.rpc_sync(PEER, watch_collections)
         watch_collections()
@@ -112,6 +114,8 @@ def _worker(rank: int, name: str, port: int, n: int, pin: str, results: Any) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=15_000)
+    parser.add_argument("--warmup", type=int, default=300,
+                        help="untimed calls first (0: the window may hold the first full GC)")
     parser.add_argument("--pin", choices=("none", "split"), default="none")
     parser.add_argument("--backends", default=",".join(BACKENDS))
     args = parser.parse_args()
@@ -121,7 +125,8 @@ def main() -> None:
     for name in args.backends.split(","):
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
         results = context.Queue()
-        mp.start_processes(_worker, args=(name, free_port(), args.n, args.pin, results),
+        mp.start_processes(_worker,
+                           args=(name, free_port(), args.n, args.warmup, args.pin, results),
                            nprocs=2, start_method="spawn")
         r = results.get(timeout=60)
         print(f"{name:18s} {r['median_us']:6.0f}us {r['p99_us']:6.0f}us {r['p999_us']:6.0f}us "
