@@ -340,8 +340,27 @@ def scenario_failures(rank: int, world_size: int, init_method: str) -> dict[str,
     out["solo_call"] = rpc.rpc_sync("solo", torch.add, args=(torch.ones(1), 1)).item()
     out["solo_remote"] = rpc.remote(0, whoami).to_here()
     _, out["solo_shutdown_s"] = _timed(lambda: rpc.shutdown())
+
+    _log("a graceful shutdown that gives up names the request it still serves")
+    stuck_options = rpc.ZmqRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{unused_port()}", shutdown_timeout=2
+    )
+    rpc.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=stuck_options)
+    stuck = rpc.rpc_async("solo", block_until_released)
+    out["stuck_shutdown"] = _error(lambda: rpc.shutdown())
+    _released.set()
+    out["stuck_call"] = _error(stuck.wait)
+    out["stuck_is_initialized"] = rpc.is_initialized()
     _log("end")
     return out
+
+
+_released = threading.Event()
+
+
+def block_until_released() -> str:
+    _released.wait(60)
+    return "released"
 
 
 SCENARIOS: dict[str, Callable[[int, int, str], dict[str, Any]]] = {

@@ -298,6 +298,14 @@ def test_failed_inits_leave_nothing_behind(runs):
     assert result["solo_shutdown_s"] < 5
 
 
+def test_shutdown_that_gives_up_names_the_requests_still_served(runs):
+    result = _result(runs, "failures")
+    _assert_error(result["stuck_shutdown"], "ShutdownError",
+                  "block_until_released on WorkerInfo(id=0, name=solo)",  # the call made
+                  "1 requests being served: block_until_released from 'solo' for ")  # served
+    assert result["stuck_is_initialized"] is False
+
+
 # --- env:// and torch's options ----------------------------------------------------------------
 
 

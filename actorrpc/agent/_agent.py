@@ -154,6 +154,7 @@ class Agent(MessageDispatcher):
         self._message_ids = itertools.count(1)
         self._inflight = 0
         self._inflight_lock = threading.Lock()
+        self._serving: dict[tuple[int, int], tuple[MessageKind, Any, float]] = {}
         self.members = MemberTable()
         self._members = self.members.members
         self._infos = self.members.infos

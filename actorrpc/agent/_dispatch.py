@@ -79,6 +79,13 @@ _AWAITED_KINDS = frozenset(
 )
 
 
+def _request_name(kind: MessageKind, payload: Any) -> str:
+    """A served request in words: its function's name for a call, else its kind."""
+    if kind in (MessageKind.CALL, MessageKind.REMOTE_CALL) and isinstance(payload, tuple):
+        return getattr(payload[0], "__qualname__", None) or repr(payload[0])
+    return kind.name
+
+
 class MessageDispatcher:
     """Incoming messages: requests to handlers (inline or on the pool), replies to futures."""
 
@@ -98,6 +105,7 @@ class MessageDispatcher:
     _infos: dict[int, WorkerInfo]
     _inflight: int
     _inflight_lock: threading.Lock
+    _serving: dict[tuple[int, int], tuple[MessageKind, Any, float]]
     _pool: WorkerPool
     _last_warning: float
     _suppressed_warnings: int
@@ -181,7 +189,7 @@ class MessageDispatcher:
                 self._inflight -= 1
             return
         try:
-            if isinstance(outcome, torch._C.Future):
+            if isinstance(outcome, torch._C.Future):  # still being served until it completes
                 outcome.add_done_callback(
                     lambda fut: self._finish_request(sender, message_id, outcome_of(fut))
                 )
@@ -192,6 +200,7 @@ class MessageDispatcher:
                 self._reply(sender, message_id, outcome)
         except BaseException as exc:  # noqa: BLE001
             self._reply_exception(sender, message_id, exc)
+        self._serving.pop((sender, message_id), None)
         with self._inflight_lock:
             self._inflight -= 1
 
@@ -215,6 +224,8 @@ class MessageDispatcher:
                 except DeserializationError:
                     undecoded = tuple(source.taken_over)
                     raise
+            if message_id:  # what shutdown names if it gives up waiting for it
+                self._serving[(sender.id, message_id)] = (kind, payload, time.monotonic())
             for waiter in source.pending:
                 waiter.wait()
             outcome = entry.handler(IncomingRequest(kind, sender, message_id, payload))
@@ -222,9 +233,7 @@ class MessageDispatcher:
             outcome = Failure(exc, undecoded)
         self._finish_request(sender.id, message_id, outcome)
         if self.tracer.enabled:
-            what = kind.name
-            if kind in (MessageKind.CALL, MessageKind.REMOTE_CALL) and payload is not None:
-                what = getattr(payload[0], "__qualname__", None) or repr(payload[0])
+            what = _request_name(kind, payload)
             nbytes = sum(memoryview(p).nbytes for p in parts)
             outcome_name = "error" if isinstance(outcome, Failure) else "ok"
             self.tracer.served(sender.id, message_id, what, nbytes, started, outcome_name)
@@ -238,6 +247,19 @@ class MessageDispatcher:
             kwargs,
             lambda call: run_user_function(func, call.args, call.kwargs),
         )
+
+    def requests_being_served(self) -> list[str]:
+        """The requests this worker serves now: what, from whom, for how long."""
+        now = time.monotonic()
+        described = []
+        for (sender, _), (kind, payload, started) in sorted(
+            list(self._serving.items()), key=lambda item: item[1][2]
+        ):
+            info = self._infos.get(sender)
+            source = info.name if info is not None else f"rank {sender}"
+            described.append(f"{_request_name(kind, payload)} from {source!r} for "
+                             f"{now - started:.1f} s")
+        return described
 
     def warn(self, what: str) -> None:
         """Log a warning about a peer's message, at most one per interval."""

@@ -86,7 +86,10 @@ def _wait_idle(agent: Agent, deadline: float, problems: list[str]) -> None:
         return
     unfinished = list(agent.pending_destinations())
     if agent._inflight:
-        unfinished.append(f"{agent._inflight} requests being served")
+        serving = agent.requests_being_served()
+        names = ": " + "; ".join(serving[:8]) if serving else ""
+        more = f" and {len(serving) - 8} more" if len(serving) > 8 else ""
+        unfinished.append(f"{agent._inflight} requests being served{names}{more}")
     queued = agent.riders.describe()["queued"]
     if queued:
         unfinished.append(f"{queued} notifications queued")
