@@ -148,16 +148,14 @@ class MessageDispatcher:
 
     def _reply(self, sender: int, message_id: int, value: Any) -> None:
         pickling = pickling_for(sender)
-        remembered = False
         try:
             with pickling:
                 body, buffers = dumps(value, "result")
             if pickling.target.has_undo:  # before sending: REPLY_UNDECODED may come at once
                 self._replies_with_forks.remember((sender, message_id), pickling.target)
-                remembered = True
             self._send(sender, MessageKind.RESPONSE, message_id, body, buffers)
         except BaseException as exc:  # noqa: BLE001 - nothing was sent
-            if remembered:
+            if pickling.target.has_undo:  # (if it was remembered)
                 self._replies_with_forks.take((sender, message_id))
             pickling.target.abort()  # undo what pickling registered (RRef forks)
             if isinstance(exc, PeerUnreachableError):
@@ -225,7 +223,7 @@ class MessageDispatcher:
                     undecoded = tuple(source.taken_over)
                     raise
             if message_id:  # what shutdown names if it gives up waiting for it
-                self._serving[(sender.id, message_id)] = (kind, payload, time.monotonic())
+                self._serving[(sender.id, message_id)] = (kind, payload, started)
             for waiter in source.pending:
                 waiter.wait()
             outcome = entry.handler(IncomingRequest(kind, sender, message_id, payload))
@@ -250,7 +248,7 @@ class MessageDispatcher:
 
     def requests_being_served(self) -> list[str]:
         """The requests this worker serves now: what, from whom, for how long."""
-        now = time.monotonic()
+        now = time.time()
         described = []
         for (sender, _), (kind, payload, started) in sorted(
             list(self._serving.items()), key=lambda item: item[1][2]
@@ -401,21 +399,26 @@ class MessageDispatcher:
         if kind == MessageKind.EXCEPTION and undo is None:
             return  # an error, and nothing to undo
         try:
-            with unpickling_from(sender) as source:
-                value = loads(parts[0], parts[1:])
+            value = self._unpickle_reply(kind, sender, message_id, parts)
         except DeserializationError as exc:
-            if kind == MessageKind.RESPONSE:
-                self._report_undecoded_reply(sender, message_id, source.taken_over)
             self.warn(f"dropped a late reply from rank {sender} that cannot be unpickled: {exc}")
             return
         if kind == MessageKind.EXCEPTION and undo is not None:
             self._error_of_reply(value, undo)
 
-    def _report_undecoded_reply(
-        self, sender: int, message_id: int, taken_over: list[Hashable]
-    ) -> None:
-        """Tell ``sender`` its reply could not be unpickled, naming the forks rebuilt."""
-        self.notify_soon(sender, MessageKind.REPLY_UNDECODED, (message_id, tuple(taken_over)))
+    def _unpickle_reply(
+        self, kind: MessageKind, sender: int, message_id: int, parts: list[Any]
+    ) -> Any:
+        """A reply's value. A RESPONSE that cannot be unpickled raises, after telling its
+        sender (REPLY_UNDECODED, naming the forks rebuilt) so that it undoes the others."""
+        with unpickling_from(sender) as source:
+            try:
+                return loads(parts[0], parts[1:])
+            except DeserializationError:
+                if kind == MessageKind.RESPONSE:
+                    self.notify_soon(sender, MessageKind.REPLY_UNDECODED,
+                                     (message_id, tuple(source.taken_over)))
+                raise
 
     def _handle_reply_undecoded(self, request: IncomingRequest) -> None:
         """A caller could not unpickle this worker's reply: undo the reply's other forks."""
@@ -457,11 +460,8 @@ class MessageDispatcher:
             outcome = "error" if kind == MessageKind.EXCEPTION else "ok"
             self.tracer.call_done(message_id, sum(memoryview(p).nbytes for p in parts), outcome)
         try:
-            with unpickling_from(sender) as source:
-                value = loads(parts[0], parts[1:])
+            value = self._unpickle_reply(kind, sender, message_id, parts)
         except DeserializationError as exc:
-            if kind == MessageKind.RESPONSE:
-                self._report_undecoded_reply(sender, message_id, source.taken_over)
             complete(
                 pending.future,
                 error=DeserializationError(
