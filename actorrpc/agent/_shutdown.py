@@ -51,8 +51,9 @@ def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: li
             if tag == "done" and agent.rank != 0:
                 return
             missing = barrier.wait(deadline, dead)
-            dead_missing.update(r for r in missing if r in agent.liveness.dead_peers)
-            alive = [r for r in missing if r not in agent.liveness.dead_peers]
+            found_dead = set(dead(missing))  # the verdict the barrier waited on, not an older one
+            dead_missing.update(found_dead)
+            alive = [r for r in missing if r not in found_dead]
             if alive:
                 names = [agent._infos[r].name for r in alive if r in agent._infos]
                 problems.append(
