@@ -53,7 +53,14 @@ RpcBackendOptions = ZmqRpcBackendOptions
 
 
 def is_available() -> bool:
-    """Always ``True``: actorrpc needs nothing beyond its dependencies."""
+    """Always ``True``: actorrpc needs nothing beyond its dependencies.
+
+    Example::
+
+        >>> import actorrpc as rpc
+        >>> rpc.is_available()
+        True
+    """
     return True
 
 

@@ -166,7 +166,17 @@ def init_rpc(
 
 
 def is_initialized() -> bool:
-    """Whether this process is in an RPC group."""
+    """Whether this process is in an RPC group.
+
+    Example::
+
+        >>> # on worker0
+        >>> rpc.is_initialized()
+        False
+        >>> rpc.init_rpc("worker0", rank=0, world_size=2)
+        >>> rpc.is_initialized()
+        True
+    """
     return _current_or_none() is not None
 
 
@@ -210,12 +220,26 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 
 
 def get_worker_infos() -> list[WorkerInfo]:
-    """Every worker of the group, ordered by id."""
+    """Every worker of the group, ordered by id.
+
+    Example::
+
+        >>> # on worker0 (or worker1: same list)
+        >>> rpc.get_worker_infos()
+        [WorkerInfo(id=0, name=worker0), WorkerInfo(id=1, name=worker1)]
+    """
     return current_agent().worker_infos()
 
 
 def get_rpc_timeout() -> float:
-    """The default timeout of calls, in seconds."""
+    """The default timeout of calls, in seconds (the options' ``rpc_timeout``).
+
+    Example::
+
+        >>> # on worker0, started without rpc_backend_options
+        >>> rpc.get_rpc_timeout()
+        60.0
+    """
     return current_agent().options.rpc_timeout
 
 

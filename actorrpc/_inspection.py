@@ -72,7 +72,17 @@ def start_tracing() -> None:
 
 
 def stop_tracing(path: str | None = None) -> dict[str, Any]:
-    """Stop recording; gather every worker's events into one Chrome trace (written to ``path``)."""
+    """Stop recording; gather every worker's events into one Chrome trace (written to ``path``).
+
+    Returns the trace: ``{"traceEvents": [...], "displayTimeUnit": "ms"}``.
+
+    Example::
+
+        >>> # on worker0, after rpc.start_tracing() and some calls to worker1
+        >>> trace = rpc.stop_tracing("trace.json")   # open in Perfetto / chrome://tracing
+        >>> sorted(trace)
+        ['displayTimeUnit', 'traceEvents']
+    """
     agent = current_agent()
     # This worker stops first, so the calls that stop the peers (whose serving
     # they no longer record) are not recorded here either.

@@ -23,13 +23,39 @@ __all__ = ["LocalWorkers", "local_workers"]
 
 
 class LocalWorkers:
-    """Handle of a local group; ``shutdown()`` (or leaving the ``with`` block) ends it."""
+    """Handle of a local group; ``shutdown()`` (or leaving the ``with`` block) ends it.
+
+    Made by :func:`local_workers`: this process is the driver, ``names`` are
+    the worker processes' names and ``processes`` their ``Popen`` objects.
+
+    Example::
+
+        >>> with rpc.local_workers(2) as group:   # this process joins as "driver"
+        ...     print(group.names)
+        ...     print(rpc.rpc_sync("worker2", torch.add, args=(torch.ones(2), 1)))
+        ['worker1', 'worker2']
+        tensor([2., 2.])
+    """
 
     def __init__(self, processes: list[subprocess.Popen[bytes]], names: list[str]) -> None:
         self.processes = processes
         self.names = names
 
     def shutdown(self, timeout: float = 60.0) -> None:
+        """Shut RPC down here (graceful, bounded by ``timeout``), then end the workers.
+
+        Each worker process gets ``timeout`` seconds to exit and is killed if it
+        has not. Leaving the ``with`` block calls ``shutdown()``.
+
+        Example::
+
+            >>> group = rpc.local_workers(2)
+            >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+            tensor([2., 2.])
+            >>> group.shutdown(timeout=30)
+            >>> rpc.is_initialized()
+            False
+        """
         try:
             shutdown(timeout=timeout)
         finally:

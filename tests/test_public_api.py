@@ -9,7 +9,12 @@ import torch
 
 import actorrpc
 import actorrpc as rpc
+import actorrpc.autograd
+import actorrpc.functions
+import actorrpc.nn
+import actorrpc.optim
 from actorrpc import errors
+from actorrpc.optim import DistributedOptimizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -190,3 +195,40 @@ def test_functions_async_execution_marks_function():
 
     assert f(3).wait() == 3
     assert f.__name__ == "f"
+
+
+# "Public functions get torch-style docstrings with a two-worker example."
+EXAMPLE_MODULES = [actorrpc, actorrpc.autograd, actorrpc.optim, actorrpc.nn, actorrpc.functions]
+# Classes whose own public methods (those defined on the class itself) need an example too.
+# (RemoteModule is left out: most of its methods are torch.nn.Module's.)
+EXAMPLE_METHOD_CLASSES = {
+    "actorrpc.RRef": rpc.RRef,
+    # also RpcBackendOptions and TensorPipeRpcBackendOptions (aliases)
+    "actorrpc.ZmqRpcBackendOptions": rpc.ZmqRpcBackendOptions,
+    "actorrpc.Future": rpc.Future,
+    "actorrpc.LocalWorkers": rpc.LocalWorkers,
+    "actorrpc.optim.DistributedOptimizer": DistributedOptimizer,
+}
+
+
+def test_every_public_function_has_an_example():
+    missing = []
+    for module in EXAMPLE_MODULES:
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.ismodule(obj):
+                continue
+            if inspect.isclass(obj) and issubclass(obj, BaseException):
+                continue
+            if "Example::" not in (obj.__doc__ or ""):
+                missing.append(f"{module.__name__}.{name}")
+    for qualname, cls in EXAMPLE_METHOD_CLASSES.items():
+        for name, member in vars(cls).items():
+            if name.startswith("_"):
+                continue
+            function = getattr(member, "__func__", member)  # classmethod, staticmethod
+            if inspect.isfunction(function) and "Example::" not in (function.__doc__ or ""):
+                missing.append(f"{qualname}.{name}")
+    assert not missing, "public names without an 'Example::' in their docstring: " + ", ".join(
+        missing
+    )

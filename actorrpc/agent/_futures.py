@@ -29,6 +29,15 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
     """A ``torch.futures.Future`` for an RPC; ``wait``/``then``/``done``/``value`` as in torch.
 
     Also awaitable: ``await rpc.rpc_async(...)`` works in asyncio code.
+
+    Example::
+
+        >>> # on worker0
+        >>> fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+        >>> fut.then(lambda f: f.wait() * 2).wait()
+        tensor([4., 4.])
+        >>> await rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))  # in asyncio
+        tensor([2., 2.])
     """
 
     def __init__(self, description: Any = "", agent: Any = None) -> None:
@@ -48,6 +57,19 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
         return text() if callable(text) else str(text)
 
     def wait(self) -> T:
+        """Block until the call completes; return its result or raise its error.
+
+        Ctrl-C interrupts the wait. Raises :class:`ActorRpcError` instead of
+        deadlocking when called on the RPC I/O thread (use ``then()`` there), or
+        when the agent that should complete the future stops first.
+
+        Example::
+
+            >>> # on worker0
+            >>> fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+            >>> fut.wait()
+            tensor([2., 2.])
+        """
         if not self._done:
             agent = self._agent
             if agent is not None and (

@@ -97,6 +97,16 @@ def backward(
     Raises:
         InvalidArgumentError (a ValueError): bad roots or context id type.
         DistAutogradError: no such context on this worker.
+
+    Example::
+
+        >>> # on worker0
+        >>> with dist_autograd.context() as context_id:
+        ...     t = torch.ones(2, requires_grad=True)
+        ...     loss = rpc.rpc_sync("worker1", torch.mul, args=(t, 3)).sum()
+        ...     dist_autograd.backward(context_id, [loss])
+        ...     print(dist_autograd.get_gradients(context_id)[t])
+        tensor([3., 3.])
     """
     if roots is None and not isinstance(context_id, int):
         roots, context_id = context_id, current_context_id()  # backward(roots)
@@ -149,12 +159,29 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
 
     Raises:
         DistAutogradError: "Could not find autograd context with id: N".
+
+    Example::
+
+        >>> # on worker0
+        >>> with dist_autograd.context() as context_id:
+        ...     t = torch.ones(2, requires_grad=True)
+        ...     dist_autograd.backward(context_id, [rpc.rpc_sync("worker1", torch.sum, args=(t,))])
+        ...     grads = dist_autograd.get_gradients(context_id)
+        >>> grads[t], t.grad  # not accumulated in .grad
+        (tensor([1., 1.]), None)
     """
     return _engine().store.retrieve(context_id).gradients()
 
 
 def is_available() -> bool:
-    """Always ``True``."""
+    """Always ``True``.
+
+    Example::
+
+        >>> import actorrpc.autograd as dist_autograd
+        >>> dist_autograd.is_available()
+        True
+    """
     return True
 
 
@@ -180,7 +207,21 @@ def _get_max_id() -> int:
 
 
 def debug_info() -> dict[str, Any]:
-    """Counts on this worker: contexts, send and recv functions, known workers, passes."""
+    """Counts on this worker: contexts, send and recv functions, known workers, passes.
+
+    A dict: ``num_autograd_contexts``, ``num_send_functions``,
+    ``num_recv_functions``, ``known_worker_ids`` (a sorted list of ranks) and
+    ``num_current_backward_passes``.
+
+    Example::
+
+        >>> # on worker0
+        >>> with dist_autograd.context() as context_id:
+        ...     y = rpc.rpc_sync("worker1", torch.mul, args=(torch.ones(2, requires_grad=True), 2))
+        ...     info = dist_autograd.debug_info()
+        >>> info["num_autograd_contexts"], info["num_send_functions"], info["known_worker_ids"]
+        (1, 1, [1])
+    """
     return _engine().debug_info()
 
 

@@ -106,7 +106,18 @@ class RecvFunction:
 
 @dataclass
 class DistAutogradContext:
-    """One context's state on one worker (torch's ``DistAutogradContext``)."""
+    """One context's state on one worker (torch's ``DistAutogradContext``).
+
+    Example::
+
+        >>> # on worker0
+        >>> with dist_autograd.context() as context_id:
+        ...     t = torch.ones(2, requires_grad=True)
+        ...     y = rpc.rpc_sync("worker1", torch.mul, args=(t, 2))
+        ...     ctx = dist_autograd._retrieve_context(context_id)
+        ...     print(ctx._known_worker_ids(), len(ctx._send_functions()))
+        {1} 1
+    """
 
     context_id: int
     send_functions: dict[int, SendFunction] = field(default_factory=dict)

@@ -124,6 +124,16 @@ class DistributedOptimizer:
 
         Owners step concurrently; returns when all are done; the first error,
         naming its worker, is raised.
+
+        Example::
+
+            >>> # on worker0
+            >>> remote_module = RemoteModule("worker1/cpu", torch.nn.Linear, args=(4, 2))
+            >>> params = remote_module.remote_parameters()
+            >>> opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.05)
+            >>> with dist_autograd.context() as context_id:
+            ...     dist_autograd.backward(context_id, [remote_module(torch.randn(3, 4)).sum()])
+            ...     opt.step(context_id)  # SGD steps on worker1, where the parameters live
         """
         if context_id is None:
             context_id = _current_context().context_id

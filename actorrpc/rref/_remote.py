@@ -110,7 +110,21 @@ def _self_created(ctx: RRefContext, state: OwnerState, future: torch.futures.Fut
 
 
 def debug_info() -> dict[str, int]:
-    """The RRef tables' sizes on this worker (owner RRefs, forks, pending users/children)."""
+    """The RRef tables' sizes on this worker (owner RRefs, forks, pending users/children).
+
+    A dict of ints: ``num_owner_rrefs``, ``num_forks``, ``num_pending_users``,
+    ``num_pending_children`` and ``num_confirmed_users``.
+
+    Example::
+
+        >>> # on worker0
+        >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+        >>> rref.to_here()
+        tensor([2., 2.])
+        >>> info = rpc.rpc_sync("worker1", rpc.get_rref_debug_info)  # worker1's tables
+        >>> info["num_owner_rrefs"], info["num_forks"]
+        (1, 1)
+    """
     return rref_context().debug_info()
 
 

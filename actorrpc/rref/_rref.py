@@ -124,18 +124,55 @@ class RRef(Generic[T]):
     # -- queries ------------------------------------------------------------------------------
 
     def is_owner(self) -> bool:
-        """Whether this worker owns the value."""
+        """Whether this worker owns the value.
+
+        Example::
+
+            >>> # on worker0
+            >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+            >>> rref.is_owner(), rpc.RRef(torch.ones(2)).is_owner()
+            (False, True)
+        """
         return self._state is not None
 
     def owner(self) -> WorkerInfo:
-        """The :class:`WorkerInfo` of the owner."""
+        """The :class:`WorkerInfo` of the owner.
+
+        Example::
+
+            >>> # on worker0
+            >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+            >>> rref.owner()
+            WorkerInfo(id=1, name=worker1)
+        """
         return self._owner
 
     def owner_name(self) -> str:
+        """The name of the owner.
+
+        Example::
+
+            >>> # on worker0
+            >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+            >>> rref.owner_name()
+            'worker1'
+        """
         return self._owner.name
 
     def confirmed_by_owner(self) -> bool:
-        """Whether the owner knows of this handle (always true on the owner)."""
+        """Whether the owner knows of this handle (always true on the owner).
+
+        A user RRef is confirmed once the owner has acknowledged it (for one
+        made by ``remote()``: once the owner has answered that call).
+
+        Example::
+
+            >>> # on worker0
+            >>> rpc.RRef(torch.ones(2)).confirmed_by_owner()  # the owner
+            True
+            >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+            >>> rref.confirmed_by_owner()  # False until worker1 has answered remote()
+        """
         return self._confirmed
 
     def _check_usable(self, what: str) -> None:
@@ -151,7 +188,16 @@ class RRef(Generic[T]):
             )
 
     def local_value(self) -> T:
-        """The value itself; only on the owner."""
+        """The value itself; only on the owner (a user raises :class:`RRefError`).
+
+        Example::
+
+            >>> # on worker1
+            >>> rref = rpc.RRef(torch.ones(2))
+            >>> rref.local_value()
+            tensor([1., 1.])
+            >>> # on worker0, with a user RRef to it: rref.to_here() (local_value() raises)
+        """
         if self._state is None:
             raise RRefError(  # torch's wording (tests match it), plus the way out
                 f"For UserRRef(rref_id={self._rref_id!r}, fork_id={self._fork_id!r}), can't call "
@@ -161,7 +207,15 @@ class RRef(Generic[T]):
         return self._state.wait(0)  # type: ignore[no-any-return]
 
     def to_here(self, timeout: float = -1.0) -> T:
-        """Fetch a copy of the value (blocking); on the owner, wait for it and return it."""
+        """Fetch a copy of the value (blocking); on the owner, wait for it and return it.
+
+        Example::
+
+            >>> # on worker0
+            >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+            >>> rref.to_here()
+            tensor([2., 2.])
+        """
         self._check_usable("to_here")
         agent = self._agent
         effective = agent.effective_timeout(timeout)
@@ -201,25 +255,63 @@ class RRef(Generic[T]):
     # -- proxies ------------------------------------------------------------------------------
 
     def rpc_sync(self, timeout: float = -1.0) -> Any:
-        """``rref.rpc_sync().method(*args)`` runs ``method`` on the owner's value and waits."""
+        """``rref.rpc_sync().method(*args)`` runs ``method`` on the owner's value and waits.
+
+        Example::
+
+            >>> # on worker0
+            >>> rref = rpc.remote("worker1", torch.ones, args=(2,))
+            >>> rref.rpc_sync().add(1)  # runs on worker1
+            tensor([2., 2.])
+        """
         from ._proxy import RRefProxy
 
         return RRefProxy(self, "sync", timeout)
 
     def rpc_async(self, timeout: float = -1.0) -> Any:
-        """``rref.rpc_async().method(*args)`` returns a Future of the method's result."""
+        """``rref.rpc_async().method(*args)`` returns a Future of the method's result.
+
+        Example::
+
+            >>> # on worker0
+            >>> rref = rpc.remote("worker1", torch.ones, args=(2,))
+            >>> rref.rpc_async().add(1).wait()  # runs on worker1
+            tensor([2., 2.])
+        """
         from ._proxy import RRefProxy
 
         return RRefProxy(self, "async", timeout)
 
     def remote(self, timeout: float = -1.0) -> Any:
-        """``rref.remote().method(*args)`` returns an RRef to the method's result."""
+        """``rref.remote().method(*args)`` returns an RRef to the method's result.
+
+        Example::
+
+            >>> # on worker0
+            >>> rref = rpc.remote("worker1", torch.ones, args=(2,))
+            >>> rref.remote().add(1).to_here()  # the result stays on worker1 until fetched
+            tensor([2., 2.])
+        """
         from ._proxy import RRefProxy
 
         return RRefProxy(self, "remote", timeout)
 
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
-        """Run backward from the value of this RRef (a scalar tensor)."""
+        """Run backward from the value of this RRef (a scalar tensor).
+
+        A user RRef needs ``dist_autograd_ctx_id``; on the owner ``-1`` runs a
+        local ``backward()``.
+
+        Example::
+
+            >>> # on worker0
+            >>> with dist_autograd.context() as context_id:
+            ...     t = torch.ones(2, requires_grad=True)
+            ...     rref = rpc.remote("worker1", torch.sum, args=(t * 2,))
+            ...     rref.backward(context_id)
+            ...     print(dist_autograd.get_gradients(context_id)[t])
+            tensor([2., 2.])
+        """
         if dist_autograd_ctx_id == -1:
             if self._state is None:
                 raise RRefError("User RRefs require 'dist_autograd_ctx_id' to be specified")
