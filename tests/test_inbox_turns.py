@@ -50,6 +50,21 @@ def test_a_pool_thread_serves_the_next_request_itself(cluster: list[str]) -> Non
     assert rpc.get_worker_stats("worker1")["serving_turns"] - before >= 40
 
 
+def test_turns_poll_busily_on_both_sides_before_they_block(cluster: list[str]) -> None:
+    def polls(worker: str | None = None) -> int:
+        stats = rpc.get_worker_stats(worker)
+        return int(stats["busy_poll_hits"] + stats["busy_poll_misses"])
+
+    assert current_agent().options.busy_poll > 0  # on by default
+    mine, theirs = polls(), polls("worker1")
+    for i in range(50):
+        assert rpc.rpc_sync("worker1", _plus_one, args=(i,)) == i + 1
+    # the caller's turns and worker1's serving turns each polled before blocking (whether
+    # the message came within busy_poll depends on this machine's load: hits or misses)
+    assert polls() - mine >= 40
+    assert polls("worker1") - theirs >= 40
+
+
 def test_a_long_request_in_a_serving_thread_holds_nothing_back(cluster: list[str]) -> None:
     for i in range(5):  # worker1's pool thread is in its serving turns
         rpc.rpc_sync("worker1", _plus_one, args=(i,))
@@ -142,8 +157,12 @@ class _OneTurnAgent:
 
     _running = True
 
-    def __init__(self, future: Any) -> None:
-        def receive(timeout: float) -> list[Any]:
+    def __init__(self, future: Any, busy_poll: float = 0.0) -> None:
+        self.options = SimpleNamespace(busy_poll=busy_poll)
+        self.busy_until: list[float] = []
+
+        def receive(timeout: float, busy_until: float = 0.0) -> list[Any]:
+            self.busy_until.append(busy_until)
             future._done = True
             return []
 
@@ -170,6 +189,20 @@ def test_only_a_long_turn_wakes_the_io_thread_when_it_ends(
     assert not turns.lock.locked() and turns.holder is None
 
 
+@pytest.mark.parametrize("busy_poll", [0.0, 30.0])
+def test_a_turn_polls_busily_for_busy_poll_seconds_from_its_start(busy_poll: float) -> None:
+    turns = InboxTurns()
+    future = SimpleNamespace(_done=False, _receiver=None)
+    agent = _OneTurnAgent(future, busy_poll)
+    before = time.monotonic()
+    assert turns.receive_until(agent, future) is True  # type: ignore[arg-type]
+    [busy_until] = agent.busy_until
+    if busy_poll:
+        assert before + busy_poll <= busy_until <= time.monotonic() + busy_poll
+    else:
+        assert busy_until == 0.0  # 0: the receive blocks at once
+
+
 class _ServingAgent:
     """Just enough of an agent for a serving turn: each receive returns the next batch."""
 
@@ -179,8 +212,9 @@ class _ServingAgent:
     def __init__(self, turns: InboxTurns, batches: list[list[Any]]) -> None:
         self.turns = turns
         self.handled: list[Any] = []
+        self.options = SimpleNamespace(busy_poll=0.0)
 
-        def receive(timeout: float) -> list[Any]:
+        def receive(timeout: float, busy_until: float = 0.0) -> list[Any]:
             assert turns.held_by_current_thread()
             return batches.pop(0) if batches else []
 

@@ -174,6 +174,13 @@ def test_wrong_backend_and_options_types():
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("busy_poll", [-0.001, float("nan")])
+def test_bad_busy_poll_rejected(busy_poll):
+    with pytest.raises(ValueError, match="busy_poll must be >= 0"):
+        rpc.ZmqRpcBackendOptions(busy_poll=busy_poll)
+
+
+@pytest.mark.timeout(30)
 def test_rank_out_of_range_rejected():
     for rank, world_size in ((3, 2), (0, 0)):
         with pytest.raises(ValueError, match="range"):

@@ -105,3 +105,49 @@ def test_flow_credits_wake_every_waiter_a_credit_is_given_back_for() -> None:
     for thread in threads:
         thread.join(10)
     assert credits.in_flight == 3
+
+
+def test_a_busy_poll_finds_a_message_sent_meanwhile_without_blocking(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorrpc.transport import _zmq
+
+    sender, receiver = pair
+    yields: list[int] = []
+    sent = threading.Event()
+    link = sender.link(b"1:receiver", receiver.endpoint)
+    link.send([b"H" * 20, b"warm-up"])  # the connection is up
+    assert len(_receive(receiver, 1)) == 1
+
+    def poll_then_send() -> None:
+        # the message goes out only once the receiver has polled (yielded) a few times
+        yields.append(1)
+        if len(yields) == 3:
+            link.send([b"H" * 20, b"during the busy poll"])
+            sent.set()
+
+    monkeypatch.setattr(_zmq, "_sched_yield", poll_then_send)
+    # a blocking receive of 30 s would fail the test's timeout if the poll missed it
+    messages = receiver.receive(30.0, busy_until=time.monotonic() + 30.0)
+    assert sent.is_set() and len(yields) >= 3
+    assert [bytes(m[2].buffer) for m in messages] == [b"during the busy poll"]  # type: ignore[attr-defined]
+    assert (receiver.busy_poll_hits, receiver.busy_poll_misses) == (1, 0)
+
+
+def test_a_busy_poll_that_finds_nothing_blocks_as_usual(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorrpc.transport import _zmq
+
+    _, receiver = pair
+    monkeypatch.setattr(_zmq, "_sched_yield", lambda: pytest.fail("polled past busy_until"))
+    started = time.monotonic()
+    assert receiver.receive(0.05, busy_until=started - 1.0) == []  # nothing came: timed out
+    assert time.monotonic() - started >= 0.04
+    assert receiver.receive(0.01) == []  # busy_until 0: no poll at all
+    assert (receiver.busy_poll_hits, receiver.busy_poll_misses) == (0, 0)
+    yields: list[int] = []
+    monkeypatch.setattr(_zmq, "_sched_yield", lambda: yields.append(1))
+    # nothing comes within the poll: it counts a miss, then blocks for the rest
+    assert receiver.receive(0.05, busy_until=time.monotonic() + 0.01) == []
+    assert yields and (receiver.busy_poll_hits, receiver.busy_poll_misses) == (0, 1)

@@ -203,9 +203,10 @@ class InboxTurns:
             self.serving_turns += 1
             receive = agent._transport.receive
             until = started + SERVING_TURN_SECONDS
+            busy_until = _busy_until(agent, started)
             has_queued = agent._pool.has_queued
             while agent._running:
-                for message in receive(max(0.001, until - time.monotonic())):
+                for message in receive(max(0.001, until - time.monotonic()), busy_until):
                     agent._on_message(message)
                 claimed = self._claimed
                 # queued work (a request handed to the pool) ends the turn: this thread
@@ -262,9 +263,10 @@ class InboxTurns:
             self.turns += 1
             future._receiver = me
             receive = agent._transport.receive
+            busy_until = _busy_until(agent, started)
             while not future._done and agent._running:
                 try:
-                    for message in receive(_TURN_POLL):
+                    for message in receive(_TURN_POLL, busy_until):
                         agent._on_message(message)
                 except Exception:  # noqa: BLE001 - as in the I/O loop: never lose the turn
                     _log.exception("%s: error while receiving", agent.name)
@@ -277,6 +279,12 @@ class InboxTurns:
             if deferral is not None:
                 deferral.end_turn()
         return bool(future._done)
+
+
+def _busy_until(agent: Agent, started: float) -> float:
+    """Until when a turn that began at ``started`` polls before it blocks (0: never)."""
+    busy_poll = agent.options.busy_poll
+    return started + busy_poll if busy_poll > 0 else 0.0
 
 
 _MAIN_IDENT = threading.main_thread().ident

@@ -172,6 +172,9 @@ def worker_snapshot(agent: Agent) -> dict[str, Any]:
         "inbox_turns": agent.inbox.turns,  # waits that received their own reply
         "inbox_stays": agent.inbox.stays,  # replies that waited for the I/O thread
         "serving_turns": agent.inbox.serving_turns,  # pool threads receiving the next request
+        # turns' busy polls (ZmqRpcBackendOptions.busy_poll) that found a message / blocked
+        "busy_poll_hits": agent._transport.busy_poll_hits,
+        "busy_poll_misses": agent._transport.busy_poll_misses,
         "notifications": agent.riders.describe(),  # queued, carried on messages, sent alone
     }
     for name, extension in agent.extensions.items():

@@ -24,7 +24,13 @@ DEFAULT_INIT_METHOD = "env://"
 
 
 class BackendType(enum.Enum):
-    """RPC backends. ``TENSORPIPE`` and ``PROCESS_GROUP`` are accepted aliases of ``ZMQ``."""
+    """RPC backends. ``TENSORPIPE`` and ``PROCESS_GROUP`` are accepted aliases of ``ZMQ``.
+
+    Example::
+
+        >>> # on worker0 (worker1 the same with "worker1", rank=1)
+        >>> rpc.init_rpc("worker0", backend=rpc.BackendType.TENSORPIPE, rank=0, world_size=2)
+    """
 
     ZMQ = "ZMQ"
     TENSORPIPE = "TENSORPIPE"
@@ -71,6 +77,13 @@ class ZmqRpcBackendOptions:
             worker for ~70 ms, in the middle of whatever call it serves (or of
             ``init_rpc`` itself). Reference counting still frees those objects;
             only cycles among them wait until ``shutdown``.
+        busy_poll: seconds a thread waiting for its reply (or a pool thread
+            waiting for the next request) polls the inbox, yielding its core to
+            any other runnable thread between polls, before it blocks; ``0``
+            always blocks. On virtual machines a core that halts while its
+            thread waits runs the next message's code several times slower
+            (cold caches): polling through a short round trip keeps it warm.
+            Costs at most this much CPU per wait that lasts longer.
         device_maps, devices: accepted for torch compatibility; CPU only.
 
     Example::
@@ -96,26 +109,58 @@ class ZmqRpcBackendOptions:
     )
     strict_rref_leaks: bool = False
     freeze_gc: bool = True
+    busy_poll: float = 0.0003
     device_maps: dict[str, Any] = field(default_factory=dict)
     devices: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.rpc_timeout < 0:
             raise InvalidArgumentError(f"rpc_timeout must be >= 0, got {self.rpc_timeout}")
+        if not self.busy_poll >= 0:  # (also refuses NaN)
+            raise InvalidArgumentError(f"busy_poll must be >= 0 seconds, got {self.busy_poll}")
         if self.num_worker_threads < 1:
             raise InvalidArgumentError(
                 f"num_worker_threads must be >= 1, got {self.num_worker_threads}"
             )
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
-        """Accepted for torch compatibility; actorrpc moves CPU tensors only."""
+        """Accepted for torch compatibility; actorrpc moves CPU tensors only.
+
+        Example::
+
+            >>> opts = rpc.TensorPipeRpcBackendOptions()
+            >>> opts.set_device_map("worker1", {"cpu": "cpu"})
+            >>> opts.device_maps
+            {'worker1': {'cpu': 'cpu'}}
+        """
         self.device_maps[to] = dict(device_map)
 
     def set_devices(self, devices: list[Any]) -> None:
-        """Accepted for torch compatibility; actorrpc moves CPU tensors only."""
+        """Accepted for torch compatibility; actorrpc moves CPU tensors only.
+
+        Example::
+
+            >>> opts = rpc.TensorPipeRpcBackendOptions()
+            >>> opts.set_devices(["cpu"])
+            >>> opts.devices
+            ['cpu']
+        """
         self.devices = list(devices)
 
     def resolved_secret(self) -> str | None:
+        """The group secret given here: ``secret``, else ``ACTORRPC_SECRET``, else the
+        contents of the file named by ``ACTORRPC_SECRET_FILE``; ``None`` when none is
+        set (then, with the master on this host, the first worker to join generates
+        one and shares it through the rendezvous store).
+
+        Example::
+
+            >>> rpc.ZmqRpcBackendOptions(secret="s3cret").resolved_secret()
+            's3cret'
+            >>> os.environ["ACTORRPC_SECRET"] = "from-env"
+            >>> rpc.ZmqRpcBackendOptions().resolved_secret()
+            'from-env'
+        """
         if self.secret:
             return self.secret
         if os.environ.get("ACTORRPC_SECRET"):
