@@ -181,6 +181,21 @@ def test_bad_busy_poll_rejected(busy_poll):
 
 
 @pytest.mark.timeout(30)
+def test_options_from_the_environment_are_checked(monkeypatch):
+    monkeypatch.setenv("ACTORRPC_BUSY_POLL", "0.002")
+    monkeypatch.setenv("ACTORRPC_SHM_THRESHOLD", "4096")
+    options = rpc.ZmqRpcBackendOptions()
+    assert (options.busy_poll, options.shared_memory_threshold) == (0.002, 4096)
+    monkeypatch.setenv("ACTORRPC_BUSY_POLL", "soon")
+    with pytest.raises(ValueError, match="ACTORRPC_BUSY_POLL='soon' is not a valid float"):
+        rpc.ZmqRpcBackendOptions()
+    monkeypatch.delenv("ACTORRPC_BUSY_POLL")
+    monkeypatch.setenv("ACTORRPC_SHM_THRESHOLD", "1.5")
+    with pytest.raises(ValueError, match="ACTORRPC_SHM_THRESHOLD='1.5' is not a valid int"):
+        rpc.ZmqRpcBackendOptions()
+
+
+@pytest.mark.timeout(30)
 def test_rank_out_of_range_rejected():
     for rank, world_size in ((3, 2), (0, 0)):
         with pytest.raises(ValueError, match="range"):

@@ -37,6 +37,19 @@ class BackendType(enum.Enum):
     PROCESS_GROUP = "PROCESS_GROUP"
 
 
+def _from_environment(name: str, default: float, kind: type[int] | type[float]) -> float:
+    """The number in environment variable ``name``, else ``default``."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"environment variable {name}={text!r} is not a valid {kind.__name__}"
+        ) from None
+
+
 @dataclass
 class ZmqRpcBackendOptions:
     """Options of the ZeroMQ agent.
@@ -83,7 +96,8 @@ class ZmqRpcBackendOptions:
             always blocks. On virtual machines a core that halts while its
             thread waits runs the next message's code several times slower
             (cold caches): polling through a short round trip keeps it warm.
-            Costs at most this much CPU per wait that lasts longer.
+            Costs at most this much CPU per wait that lasts longer. The default
+            (1 ms) comes from ``ACTORRPC_BUSY_POLL`` when it is set.
         device_maps, devices: accepted for torch compatibility; CPU only.
 
     Example::
@@ -105,11 +119,13 @@ class ZmqRpcBackendOptions:
     secret: str | None = None
     security: str = field(default_factory=lambda: os.environ.get("ACTORRPC_SECURITY", "plain"))
     shared_memory_threshold: int = field(
-        default_factory=lambda: int(os.environ.get("ACTORRPC_SHM_THRESHOLD", str(1 << 20)))
+        default_factory=lambda: int(_from_environment("ACTORRPC_SHM_THRESHOLD", 1 << 20, int))
     )
     strict_rref_leaks: bool = False
     freeze_gc: bool = True
-    busy_poll: float = 0.0003
+    busy_poll: float = field(
+        default_factory=lambda: float(_from_environment("ACTORRPC_BUSY_POLL", 0.001, float))
+    )
     device_maps: dict[str, Any] = field(default_factory=dict)
     devices: list[Any] = field(default_factory=list)
 
