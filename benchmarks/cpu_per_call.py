@@ -12,7 +12,9 @@ main thread, the I/O thread and pool threads. ``--pin`` pins rank r to CPU r,
 as ``bench_rpc.py --pin split`` does. ``autograd`` is bench_rpc's iteration (a
 context, an RPC'd ``torch.add`` of two 64x64 tensors, backward, get_gradients);
 ``--profile`` also prints the caller's main thread's costliest functions (cProfile).
-Figures are in docs/performance.md.
+A waiting thread's busy polling counts as CPU: ``ACTORRPC_BUSY_POLL=0 python
+benchmarks/cpu_per_call.py ...`` shows the CPU of the work alone (with blocking
+waits). Figures are in docs/performance.md.
 """
 
 from __future__ import annotations
