@@ -44,6 +44,10 @@ Invariants:
   blocks holds nothing else back. No request is kept while the pool's queue holds
   work, and a thread goes back to the queue before taking another turn: queued
   work never waits behind a stream of requests served in turns.
+* A turn (a waiter's or a serving one) polls the inbox for ``options.busy_poll``
+  seconds from its start, yielding the core between polls, before its receives
+  block (``Transport.receive``'s ``busy_until``); the I/O thread never polls, so
+  an idle worker uses no CPU.
 * A turn ends when the future is done or the agent stops; a future completed by
   another thread (a timeout, a dead peer, shutdown) wakes the inbox so the turn
   ends promptly. While the main thread has a turn, SIGINT is deferred to the end
