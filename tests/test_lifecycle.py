@@ -174,9 +174,9 @@ def test_wrong_backend_and_options_types():
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("busy_poll", [-0.001, float("nan")])
+@pytest.mark.parametrize("busy_poll", [-0.001, float("nan"), float("inf")])
 def test_bad_busy_poll_rejected(busy_poll):
-    with pytest.raises(ValueError, match="busy_poll must be >= 0"):
+    with pytest.raises(ValueError, match="busy_poll must be a finite number of seconds >= 0"):
         rpc.ZmqRpcBackendOptions(busy_poll=busy_poll)
 
 

@@ -132,8 +132,10 @@ class ZmqRpcBackendOptions:
     def __post_init__(self) -> None:
         if self.rpc_timeout < 0:
             raise InvalidArgumentError(f"rpc_timeout must be >= 0, got {self.rpc_timeout}")
-        if not self.busy_poll >= 0:  # (also refuses NaN)
-            raise InvalidArgumentError(f"busy_poll must be >= 0 seconds, got {self.busy_poll}")
+        if not 0 <= self.busy_poll < float("inf"):  # (also refuses NaN)
+            raise InvalidArgumentError(
+                f"busy_poll must be a finite number of seconds >= 0, got {self.busy_poll}"
+            )
         if self.num_worker_threads < 1:
             raise InvalidArgumentError(
                 f"num_worker_threads must be >= 1, got {self.num_worker_threads}"

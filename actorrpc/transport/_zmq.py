@@ -249,21 +249,26 @@ class Transport:
         message is ``[sender id (bytes), first frame (bytes), later frames
         (zmq.Frame, zero-copy)...]``; a :meth:`wake` returns early with no message.
 
-        Until ``busy_until`` (a :func:`time.monotonic` time) the thread polls the
-        inbox, yielding its core to any other runnable thread between polls,
-        before it blocks: a core that halts while it waits runs the next
-        message's code several times slower (its caches went cold), and the
-        system call that wakes a blocked thread costs more than a poll.
+        Until ``busy_until`` (a :func:`time.monotonic` time; within ``timeout``
+        all the same) the thread polls the inbox, yielding its core to any other
+        runnable thread between polls, before it blocks for the rest: a core
+        that halts while it waits runs the next message's code several times
+        slower (its caches went cold), and the system call that wakes a blocked
+        thread costs more than a poll.
         """
         inbox = self._inbox
-        if busy_until and _monotonic() < busy_until:
-            while not int(_socket_get(inbox, _EVENTS)) & _POLLIN:
-                if _monotonic() >= busy_until:
-                    self.busy_poll_misses += 1
-                    break
-                _sched_yield()
-            else:
-                self.busy_poll_hits += 1
+        if busy_until:
+            began = _monotonic()
+            until = min(busy_until, began + timeout)  # the poll is part of the timeout
+            if began < until:
+                while not int(_socket_get(inbox, _EVENTS)) & _POLLIN:
+                    if _monotonic() >= until:
+                        self.busy_poll_misses += 1
+                        timeout = max(0.0, timeout - (_monotonic() - began))
+                        break
+                    _sched_yield()
+                else:
+                    self.busy_poll_hits += 1
         timeout_ms = max(0, int(timeout * 1000))
         if timeout_ms != self._timeout_ms:
             inbox.setsockopt(zmq.RCVTIMEO, timeout_ms)
