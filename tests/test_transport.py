@@ -127,6 +127,7 @@ def test_a_busy_poll_finds_a_message_sent_meanwhile_without_blocking(
             sent.set()
 
     monkeypatch.setattr(_zmq, "_sched_yield", poll_then_send)
+    monkeypatch.setattr(_zmq, "_LONG_YIELD_SECONDS", 30.0)  # (the send in a yield is slow)
     # a blocking receive of 30 s would fail the test's timeout if the poll missed it
     messages = receiver.receive(30.0, busy_until=time.monotonic() + 30.0)
     assert sent.is_set() and len(yields) >= 3
@@ -155,3 +156,47 @@ def test_a_busy_poll_that_finds_nothing_blocks_as_usual(
     started = time.monotonic()
     assert receiver.receive(0.05, busy_until=started + 30.0) == []
     assert time.monotonic() - started < 10.0 and receiver.busy_poll_misses == 2
+
+
+def test_a_yield_that_gives_the_core_away_stops_polling_for_a_while(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorrpc.transport import _zmq
+
+    _, receiver = pair
+    yields: list[int] = []
+
+    def slow_yield() -> None:  # as if another process's busy thread took the time slice
+        yields.append(1)
+        time.sleep(0.002)
+
+    monkeypatch.setattr(_zmq, "_sched_yield", slow_yield)
+    monkeypatch.setattr(_zmq, "_MIN_CONTENDED_PAUSE_SECONDS", 30.0)  # (the test's pace)
+    monkeypatch.setattr(_zmq, "_MAX_CONTENDED_PAUSE_SECONDS", 100.0)
+    monkeypatch.setattr(receiver, "_contended_pause", 30.0)
+    assert receiver.receive(0.05, busy_until=time.monotonic() + 30.0) == []
+    assert len(yields) == 1  # given up after the first long yield, then blocked
+    assert (receiver.busy_poll_misses, receiver.busy_poll_contended) == (1, 1)
+    assert receiver.receive(0.01, busy_until=time.monotonic() + 30.0) == []
+    assert len(yields) == 1 and receiver.busy_poll_misses == 1  # no poll meanwhile
+    assert receiver._contended_pause == 60.0  # the next pause doubles
+    monkeypatch.setattr(receiver, "_no_poll_until", 0.0)  # the pause is over
+    assert receiver.receive(0.01, busy_until=time.monotonic() + 30.0) == []
+    assert len(yields) == 2 and receiver.busy_poll_contended == 2
+    assert receiver._contended_pause == 100.0  # doubled again, up to the maximum
+    # a poll that finds a message starts the pauses again from the minimum
+    monkeypatch.setattr(receiver, "_no_poll_until", 0.0)
+    monkeypatch.setattr(_zmq, "_sched_yield", lambda: None)
+    sender, _ = pair
+    sender.link(b"1:receiver", receiver.endpoint).send([b"H" * 20, b"x"])
+    assert len(_receive_polling(receiver)) == 1
+    assert receiver._contended_pause == 30.0  # back to the minimum
+
+
+def _receive_polling(receiver: Transport) -> list[list[object]]:
+    deadline = time.monotonic() + 20.0
+    while time.monotonic() < deadline:
+        messages = receiver.receive(0.5, busy_until=time.monotonic() + 0.5)
+        if messages:
+            return messages
+    return []

@@ -175,6 +175,7 @@ def worker_snapshot(agent: Agent) -> dict[str, Any]:
         # turns' busy polls (ZmqRpcBackendOptions.busy_poll) that found a message / blocked
         "busy_poll_hits": agent._transport.busy_poll_hits,
         "busy_poll_misses": agent._transport.busy_poll_misses,
+        "busy_poll_contended": agent._transport.busy_poll_contended,  # misses: core shared
         "notifications": agent.riders.describe(),  # queued, carried on messages, sent alone
     }
     for name, extension in agent.extensions.items():

@@ -51,6 +51,13 @@ _POLLIN = int(zmq.POLLIN)
 _monotonic = time.monotonic
 # gives the core to any other runnable thread, without the GIL (time.sleep(0) where absent)
 _sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+# A yield that took longer gave the core away for a time slice: another process's thread
+# shares it, and a blocked thread is woken sooner than one that yielded (wake-up
+# preemption), so polls stop for a while: a pause that doubles while yields keep
+# being long (up to the maximum) and starts again from the minimum after a hit.
+_LONG_YIELD_SECONDS = 0.0005
+_MIN_CONTENDED_PAUSE_SECONDS = 0.02
+_MAX_CONTENDED_PAUSE_SECONDS = 1.0
 
 
 def _curve_keypair(secret: str) -> tuple[bytes, bytes]:
@@ -176,6 +183,9 @@ class Transport:
         self._timeout_ms = -2
         self.busy_poll_hits = 0  # busy polls that found a message (statistics)
         self.busy_poll_misses = 0  # busy polls that gave up and blocked
+        self.busy_poll_contended = 0  # of those, polls ended by a long yield
+        self._no_poll_until = 0.0  # after a long yield: no busy polls until then
+        self._contended_pause = _MIN_CONTENDED_PAUSE_SECONDS
         # readable when the inbox may hold messages (ZMQ_FD); any thread may poll it
         self.inbox_fd = int(self._inbox.getsockopt(zmq.FD))
 
@@ -254,21 +264,21 @@ class Transport:
         runnable thread between polls, before it blocks for the rest: a core
         that halts while it waits runs the next message's code several times
         slower (its caches went cold), and the system call that wakes a blocked
-        thread costs more than a poll.
+        thread costs more than a poll. When the core is shared with another
+        process's busy thread (a yield gave it away for long), polls stop for a
+        while (20 ms, doubling up to 1 s while that goes on).
         """
         inbox = self._inbox
         if busy_until:
             began = _monotonic()
             until = min(busy_until, began + timeout)  # the poll is part of the timeout
-            if began < until:
-                while not int(_socket_get(inbox, _EVENTS)) & _POLLIN:
-                    if _monotonic() >= until:
-                        self.busy_poll_misses += 1
-                        timeout = max(0.0, timeout - (_monotonic() - began))
-                        break
-                    _sched_yield()
-                else:
+            if began < until and began >= self._no_poll_until:
+                if self._poll_busily(until):
                     self.busy_poll_hits += 1
+                    self._contended_pause = _MIN_CONTENDED_PAUSE_SECONDS
+                else:
+                    self.busy_poll_misses += 1
+                    timeout = max(0.0, timeout - (_monotonic() - began))
         timeout_ms = max(0, int(timeout * 1000))
         if timeout_ms != self._timeout_ms:
             inbox.setsockopt(zmq.RCVTIMEO, timeout_ms)
@@ -293,6 +303,22 @@ class Transport:
                 break
             frame = _socket_recv(inbox, 0, False)
         return messages
+
+    def _poll_busily(self, until: float) -> bool:
+        """Poll the inbox until ``until``, yielding between polls; whether a message waits."""
+        inbox = self._inbox
+        while not int(_socket_get(inbox, _EVENTS)) & _POLLIN:
+            now = _monotonic()
+            if now >= until:
+                return False
+            _sched_yield()
+            if _monotonic() - now > _LONG_YIELD_SECONDS:
+                pause = self._contended_pause
+                self._no_poll_until = now + pause
+                self._contended_pause = min(2 * pause, _MAX_CONTENDED_PAUSE_SECONDS)
+                self.busy_poll_contended += 1
+                return False
+        return True
 
     def wake(self) -> None:
         """Make a :meth:`receive` in progress return now (callable from any thread)."""
