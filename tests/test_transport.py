@@ -25,11 +25,14 @@ def pair():
     receiver.close()
 
 
-def _receive(receiver: Transport, count: int, deadline_s: float = 20.0) -> list[list[object]]:
+def _receive(
+    receiver: Transport, count: int, deadline_s: float = 20.0, busy: bool = False
+) -> list[list[object]]:
+    """``count`` messages (fewer if the deadline passes); ``busy``: each receive polls first."""
     messages: list[list[object]] = []
     deadline = time.monotonic() + deadline_s
     while len(messages) < count and time.monotonic() < deadline:
-        messages.extend(receiver.receive(0.5))
+        messages.extend(receiver.receive(0.5, time.monotonic() + 0.5 if busy else 0.0))
     return messages
 
 
@@ -189,14 +192,5 @@ def test_a_yield_that_gives_the_core_away_stops_polling_for_a_while(
     monkeypatch.setattr(_zmq, "_sched_yield", lambda: None)
     sender, _ = pair
     sender.link(b"1:receiver", receiver.endpoint).send([b"H" * 20, b"x"])
-    assert len(_receive_polling(receiver)) == 1
+    assert len(_receive(receiver, 1, busy=True)) == 1
     assert receiver._contended_pause == 30.0  # back to the minimum
-
-
-def _receive_polling(receiver: Transport) -> list[list[object]]:
-    deadline = time.monotonic() + 20.0
-    while time.monotonic() < deadline:
-        messages = receiver.receive(0.5, busy_until=time.monotonic() + 0.5)
-        if messages:
-            return messages
-    return []
