@@ -145,6 +145,7 @@ def test_a_busy_poll_that_finds_nothing_blocks_as_usual(
 
     _, receiver = pair
     monkeypatch.setattr(_zmq, "_sched_yield", lambda: pytest.fail("polled past busy_until"))
+    monkeypatch.setattr(_zmq, "_LONG_YIELD_SECONDS", 30.0)  # (a preempted poll is no pause here)
     started = time.monotonic()
     assert receiver.receive(0.05, busy_until=started - 1.0) == []  # nothing came: timed out
     assert time.monotonic() - started >= 0.04
@@ -190,6 +191,7 @@ def test_a_yield_that_gives_the_core_away_stops_polling_for_a_while(
     # a poll that finds a message starts the pauses again from the minimum
     monkeypatch.setattr(receiver, "_no_poll_until", 0.0)
     monkeypatch.setattr(_zmq, "_sched_yield", lambda: None)
+    monkeypatch.setattr(_zmq, "_LONG_YIELD_SECONDS", 30.0)  # (a preempted poll is no pause here)
     sender, _ = pair
     sender.link(b"1:receiver", receiver.endpoint).send([b"H" * 20, b"x"])
     assert len(_receive(receiver, 1, busy=True)) == 1
