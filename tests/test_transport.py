@@ -153,8 +153,8 @@ def test_a_busy_poll_that_finds_nothing_blocks_as_usual(
     assert (receiver.busy_poll_hits, receiver.busy_poll_misses) == (0, 0)
     yields: list[int] = []
     monkeypatch.setattr(_zmq, "_sched_yield", lambda: yields.append(1))
-    # nothing comes within the poll: it counts a miss, then blocks for the rest
-    assert receiver.receive(0.05, busy_until=time.monotonic() + 0.03) == []  # (room to be preempted)
+    # nothing comes within the poll (30 ms: room to be preempted): a miss, then it blocks
+    assert receiver.receive(0.05, busy_until=time.monotonic() + 0.03) == []
     assert yields and (receiver.busy_poll_hits, receiver.busy_poll_misses) == (0, 1)
     # a poll longer than the receive's timeout ends with the timeout
     started = time.monotonic()
