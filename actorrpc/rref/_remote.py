@@ -353,6 +353,8 @@ def _handle_fetch(agent: Agent, request: IncomingRequest) -> Any:
     error = state.error()
     if error is not None:  # raised, not put in a future (see invoke_method)
         raise copy_exception(error)
+    if state.is_ready():  # the common case (creation came first on the link): no future
+        return agent.serve(request.sender, meta, (), {}, lambda call: state.wait(0))
     reply: torch.futures.Future[Any] = torch.futures.Future()
     fetch = _Fetch(agent, request, meta, state, reply)
     if not state.is_ready() and limit > 0:

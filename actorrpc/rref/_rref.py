@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -230,9 +229,8 @@ class RRef(Generic[T]):
         )
         creation = self._creation_future
         if creation is not None and not creation.done():
-            value = wait_result(_unless_creation_fails(future, creation, self))
-        else:
-            value = wait_result(future)
+            _fail_if_creation_fails(future, creation, self)
+        value = wait_result(future)
         if isinstance(value, FetchFailure):  # the owner's error, sent as a value
             raise rebuild_exception(value.info)
         return value  # type: ignore[no-any-return]
@@ -350,32 +348,22 @@ class RRef(Generic[T]):
             pass
 
 
-def _unless_creation_fails(
+def _fail_if_creation_fails(
     fetch: Future[Any], creation: Future[Any], rref: RRef[Any]
-) -> torch.futures.Future[Any]:
-    """``fetch``, failed early if the RRef's ``remote()`` fails first (e.g. times out).
+) -> None:
+    """Fail ``fetch`` at once if the RRef's ``remote()`` fails first (e.g. times out).
 
     ``remote()``'s own callback on ``creation`` ran first and set ``_creation_error``.
+    The fetch's reply, if it still comes, finds the future completed and is dropped
+    (:func:`complete` completes once).
     """
-    # an agent Future: the thread waiting in to_here() takes its turn on the inbox
-    either: Future[Any] = Future(lambda: f"to_here() of {rref}", rref._agent)
-    lock = threading.Lock()
-
-    def finish(value: Any, error: BaseException | None) -> None:
-        with lock:  # the first completion wins
-            complete(either, value, error)
-
-    def fetched(done: torch.futures.Future[Any]) -> None:
-        finish(*settle(done))
 
     def created(_: torch.futures.Future[Any]) -> None:
         error = rref._creation_error
         if error is not None:
-            finish(None, copy_exception(error))
+            complete(fetch, error=copy_exception(error))
 
-    fetch.add_done_callback(fetched)
     creation.add_done_callback(created)
-    return either
 
 
 def ctx_register(ctx: RRefContext, state: OwnerState) -> None:

@@ -431,16 +431,31 @@ threads of ``rpc_async`` calls carrying small tensors and a low GC threshold, ne
 with the copy). Every ``PickleBuffer`` goes out of band."""
 
 
+REUSED_PICKLER_LIMIT = 1024
+"""A thread's pickler is reused only after payloads of at most this many bytes.
+
+Its memo table never shrinks, and clearing it (after every message) costs time in
+proportion to the largest size it ever had: one payload of 200,000 objects made every
+later message pickled on that thread ~0.7 ms slower. A payload of ``n`` bytes memoizes
+fewer than ``n / 2`` objects, so a pickler kept after at most this many bytes clears in
+about a microsecond; after a bigger payload (or a failed one) the thread gets a fresh
+pickler, which costs ~1 µs, little next to pickling that payload."""
+
+
 class _ThreadPickler(threading.local):
     """One reusable pickler per thread (creating one per message costs more than pickling)."""
 
     def __init__(self) -> None:
+        self.busy = False
+        self.renew()
+
+    def renew(self) -> None:
+        """A fresh pickler, stream and buffer list (dropping the old memo table)."""
         self.stream = io.BytesIO()
         self.buffers: list[pickle.PickleBuffer] = []
         self.pickler = _WirePickler(
             self.stream, protocol=5, buffer_callback=self.buffers.append
         )
-        self.busy = False
 
 
 _thread_pickler = _ThreadPickler()
@@ -454,15 +469,19 @@ def _dump(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
         _WirePickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
         return stream.getvalue(), buffers
     state.busy = True
+    payload = b""  # stays empty if pickling fails (a pickle is never empty)
     try:
         state.pickler.dump(obj)
         payload = state.stream.getvalue()
         buffers = list(state.buffers)
     finally:
-        state.stream.seek(0)
-        state.stream.truncate()
-        state.buffers.clear()
-        state.pickler.clear_memo()
+        if 0 < len(payload) <= REUSED_PICKLER_LIMIT:
+            state.stream.seek(0)
+            state.stream.truncate()
+            state.buffers.clear()
+            state.pickler.clear_memo()
+        else:
+            state.renew()
         state.busy = False
     return payload, buffers
 
