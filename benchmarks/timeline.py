@@ -1,6 +1,6 @@
 """The median timeline of one call, both workers on one clock: where its time goes.
 
-    python benchmarks/timeline.py [--mode sync|remote|autograd] [--n 2000] [--pin]
+    python benchmarks/timeline.py [--mode sync|remote|echo|autograd] [--n 2000] [--pin]
 
 Two spawned actorrpc workers on this host (so ``time.perf_counter`` is one clock);
 rank 0 makes ``--n`` calls of one kind to rank 1 after a warm-up. Both processes
@@ -10,7 +10,7 @@ entered, ``s`` when it returns), every message received (``R``, when
 end of ``MessageDispatcher._serve``) and every user function run (``U``/``u``).
 Events are prefixed ``A`` (the caller) or ``B`` (the callee) and carry the message
 kind (``MessageKind`` value: 1 CALL, 2 RESPONSE, 4 REMOTE_CALL, 5 RREF_FETCH,
-8 RREF_USER_DELETE, 9 backward, 10 AUTOGRAD_CLEANUP). Iterations are grouped by
+8 RREF_USER_DELETE, 9 backward, 10 AUTOGRAD_CLEANUP; ``echo`` sends 1 MiB). Iterations are grouped by
 their sequence of events and, for the most common sequences, the median time of
 each event since the iteration began is printed.
 
@@ -39,10 +39,15 @@ ensure_repo_on_path()
 
 _EVENTS: list[tuple[float, str, int]] = []
 _LEAVES = [torch.rand(64, 64, requires_grad=True) for _ in range(2)]
+_MEGABYTE = torch.rand(1 << 18)  # 1 MiB of float32: shared memory between workers of a host
 
 
 def noop(*args: Any) -> None:
     return None
+
+
+def echo(value: Any) -> Any:
+    return value
 
 
 def recorded_events() -> list[tuple[float, str, int]]:
@@ -94,6 +99,8 @@ def _record_events() -> None:
 def _one_call(rpc: Any, mode: str) -> Any:
     if mode == "remote":
         return rpc.remote("worker1", noop, args=(1,)).to_here()
+    if mode == "echo":
+        return rpc.rpc_sync("worker1", echo, args=(_MEGABYTE,))
     if mode == "autograd":
         import actorrpc.autograd as dist_autograd
 
@@ -151,7 +158,7 @@ def _worker(rank: int, port: int, mode: str, n: int, pin: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("sync", "remote", "autograd"), default="sync")
+    parser.add_argument("--mode", choices=("sync", "remote", "echo", "autograd"), default="sync")
     parser.add_argument("--n", type=int, default=2000)
     parser.add_argument("--pin", action="store_true", help="pin rank r to CPU r")
     parser.add_argument("--port", type=int, default=29771)
