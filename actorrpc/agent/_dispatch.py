@@ -229,12 +229,13 @@ class MessageDispatcher:
             outcome = entry.handler(IncomingRequest(kind, sender, message_id, payload))
         except BaseException as exc:  # noqa: BLE001 - every failure is answered
             outcome = Failure(exc, undecoded)
-        self._finish_request(sender.id, message_id, outcome)
-        if self.tracer.enabled:
+        if self.tracer.enabled:  # recorded before the reply leaves: a trace stopped after
+            # the caller has its reply holds this request's event
             what = _request_name(kind, payload)
             nbytes = sum(memoryview(p).nbytes for p in parts)
             outcome_name = "error" if isinstance(outcome, Failure) else "ok"
             self.tracer.served(sender.id, message_id, what, nbytes, started, outcome_name)
+        self._finish_request(sender.id, message_id, outcome)
 
     def _handle_call(self, request: IncomingRequest) -> Any:
         func, args, kwargs, meta = request.payload[:4]
