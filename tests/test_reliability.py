@@ -96,6 +96,28 @@ def send_signal(pid, sig):
     return True
 
 
+def all_threads_stopped(pid):
+    """Whether every thread of ``pid`` is stopped: ``kill(SIGSTOP)`` returns before they are."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        states = []
+        for tid in tasks:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+    except OSError:
+        return False
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
+def process_gone(pid):
+    """Whether ``pid`` has died (a zombie or reaped): ``kill(SIGKILL)`` returns before it does."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
 def call_peer(name, a, b):
     serving_agent()
     return rpc.rpc_sync(name, add, args=(a, b))
@@ -358,6 +380,8 @@ def driver_kill(ctx):
              "the to_here fetch is pending")
     res["kill_sent"] = rpc.rpc_sync("worker2", send_signal, args=(victim_pid, signal.SIGKILL))
     t_kill = time.monotonic()
+    # a request that reached worker1 before it died would be answered
+    wait_for(lambda: process_gone(victim_pid), 30, "worker1 to die")
     background["to_here(value created before)"] = Background(lambda: owned.to_here())
     background["rpc_sync sent after the kill"] = Background(
         lambda: rpc.rpc_sync("worker1", add, args=(1, 2)))
@@ -393,6 +417,8 @@ def driver_hang(ctx):
     try:
         os.kill(victim_pid, signal.SIGSTOP)
         t_stop = time.monotonic()
+        # a request that reached worker1 before the signal took effect would be answered
+        wait_for(lambda: all_threads_stopped(victim_pid), 30, "every thread of worker1 stopped")
         futures["rpc_async sent while stopped"] = track_end(
             rpc.rpc_async("worker1", add, args=(1, 2)), ends)
         background = {
