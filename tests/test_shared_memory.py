@@ -294,14 +294,28 @@ def _calls_sent_to(peer: str) -> int:
     return int(rpc.get_worker_stats()["peers"].get(peer, {}).get("calls_sent", 0))
 
 
+def _riders_carried() -> int:
+    from actorrpc.agent import current_agent
+
+    return current_agent().riders.carried
+
+
 def test_releases_ride_on_the_next_message_instead_of_their_own(cluster):
     data = torch.randn(BIG)
     rpc.rpc_sync("worker1", torch.clone, args=(data,))  # warm: mappings and pools
     sent_before = rpc.rpc_sync("worker1", _calls_sent_to, args=("worker0",))
-    for _ in range(20):
-        assert torch.equal(rpc.rpc_sync("worker1", torch.clone, args=(data,)), data)
+    carried_before = rpc.rpc_sync("worker1", _riders_carried)
+    # 20 calls in flight: worker1 serves them back to back, so each release has a reply
+    # to ride on within the riders' delay even on a loaded machine (one call at a time,
+    # a caller descheduled for longer than that delay made the releases go alone)
+    futures = [rpc.rpc_async("worker1", torch.clone, args=(data,)) for _ in range(20)]
+    for future in futures:
+        assert torch.equal(future.wait(), data)
+    del futures, future  # the futures hold the replies, whose segments worker1 lent
     sent_after = rpc.rpc_sync("worker1", _calls_sent_to, args=("worker0",))
-    # worker1 handed back worker0's segments on its replies, not in notifications of
-    # their own (one per call without piggybacking; a few may still go alone under load)
+    carried = rpc.rpc_sync("worker1", _riders_carried) - carried_before
+    # worker1 handed back worker0's segments on its replies (most of the 20 releases rode;
+    # the last ones, or a few under load, may still go alone, several to a notification)
+    assert carried >= 10, carried
     assert sent_after - sent_before <= 10
     assert wait_until(lambda: _all_returned("worker1"), 10), f"lent (here, there): {_last_pools}"

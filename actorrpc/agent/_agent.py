@@ -498,7 +498,8 @@ class Agent(MessageDispatcher):
             shared.take_back(lent, member.rank)
             riders.put_back(member.rank, carried)
             raise
-        riders.carried += len(carried)
+        if kind != MessageKind.PING:  # a flush's own carrier is counted in ``sent_alone``
+            riders.carried += len(carried)
         self.stats.bytes_out[member.rank] += len(body) + sum(b.nbytes for b in buffers)
 
     @staticmethod

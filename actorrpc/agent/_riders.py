@@ -52,7 +52,7 @@ class Riders:
         self._lock = threading.RLock()
         self._queued: dict[int, _Queued] = {}
         self._since: dict[int, float] = {}  # rank -> when its oldest queued one was queued
-        self.carried = 0  # notifications that rode on another message (statistics)
+        self.carried = 0  # notifications that rode on a message sent anyway (statistics)
         self.sent_alone = 0  # messages sent only to carry notifications that waited
 
     @property
