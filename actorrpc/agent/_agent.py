@@ -498,7 +498,7 @@ class Agent(MessageDispatcher):
             shared.take_back(lent, member.rank)
             riders.put_back(member.rank, carried)
             raise
-        if kind != MessageKind.PING:  # a flush's own carrier is counted in ``sent_alone``
+        if message_id or kind != MessageKind.PING:  # not a flush's carrier (``sent_alone``)
             riders.carried += len(carried)
         self.stats.bytes_out[member.rank] += len(body) + sum(b.nbytes for b in buffers)
 
