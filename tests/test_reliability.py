@@ -96,26 +96,28 @@ def send_signal(pid, sig):
     return True
 
 
+def task_state(path):
+    """The state letter in a ``/proc/.../stat`` file (after the command name), None if gone."""
+    try:
+        with open(path) as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 def all_threads_stopped(pid):
     """Whether every thread of ``pid`` is stopped: ``kill(SIGSTOP)`` returns before they are."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
-        states = []
-        for tid in tasks:
-            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-                states.append(stat.read().rsplit(")", 1)[1].split()[0])
     except OSError:
         return False
+    states = [task_state(f"/proc/{pid}/task/{tid}/stat") for tid in tasks]
     return bool(states) and all(state in ("T", "t") for state in states)
 
 
 def process_gone(pid):
     """Whether ``pid`` has died (a zombie or reaped): ``kill(SIGKILL)`` returns before it does."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
+    return task_state(f"/proc/{pid}/stat") in (None, "Z", "X")
 
 
 def call_peer(name, a, b):
