@@ -320,7 +320,7 @@ class _Fetch:
             reply.set_result(FetchFailure(pack_exception(error, repr(agent.info))))
             return
         try:
-            value = agent.serve(request.sender, self.meta, (), {}, lambda call: state.wait(0))
+            value = _serve_value(agent, request, self.meta, state)
         except BaseException as exc:  # noqa: BLE001 - a hook failed: the caller gets it
             reply.set_result(FetchFailure(pack_exception(exc, repr(agent.info))))
             return
@@ -354,13 +354,18 @@ def _handle_fetch(agent: Agent, request: IncomingRequest) -> Any:
     if error is not None:  # raised, not put in a future (see invoke_method)
         raise copy_exception(error)
     if state.is_ready():  # the common case (creation came first on the link): no future
-        return agent.serve(request.sender, meta, (), {}, lambda call: state.wait(0))
+        return _serve_value(agent, request, meta, state)
     reply: torch.futures.Future[Any] = torch.futures.Future()
     fetch = _Fetch(agent, request, meta, state, reply)
     if not state.is_ready() and limit > 0:
         fetch.timer = _timers.call_later(limit, lambda: fetch.expire(limit))
     state.ready.add_done_callback(fetch.deliver)
     return reply
+
+
+def _serve_value(agent: Agent, request: IncomingRequest, meta: Any, state: OwnerState) -> Any:
+    """The created value, returned inside the call hooks' serving scopes (a fetch's reply)."""
+    return agent.serve(request.sender, meta, (), {}, lambda call: state.wait(0))
 
 
 def _fetch_payload(payload: Any) -> tuple[GloballyUniqueId, dict[str, Any], float]:
