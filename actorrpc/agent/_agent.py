@@ -191,6 +191,7 @@ class Agent(MessageDispatcher):
                 secret=secret,
                 security=options.security,
                 send_timeout=options.rpc_timeout or 0,
+                batch_io_threads=options.batch_io_threads,
             )
             self.endpoint = self._transport.endpoint
             self.shared = SharedBuffers(self, options.shared_memory_threshold)

@@ -98,6 +98,13 @@ class ZmqRpcBackendOptions:
             (cold caches): polling through a short round trip keeps it warm.
             Costs at most this much CPU per wait that lasts longer. The default
             (1 ms) comes from ``ACTORRPC_BUSY_POLL`` when it is set.
+        batch_io_threads: run libzmq's I/O threads under Linux's ``SCHED_BATCH``
+            policy (where the system allows it): a message handed to them, or
+            arriving for them, then waits for the running thread to yield its
+            core instead of preempting it. Each preemption costs ~20 µs on
+            these VMs; with it off, an ``rpc_sync`` takes ~40 % longer
+            (docs/performance.md). Default on; ``ACTORRPC_BATCH_IO_THREADS=0``
+            turns it off.
         device_maps, devices: accepted for torch compatibility; CPU only.
 
     Example::
@@ -125,6 +132,9 @@ class ZmqRpcBackendOptions:
     freeze_gc: bool = True
     busy_poll: float = field(
         default_factory=lambda: float(_from_environment("ACTORRPC_BUSY_POLL", 0.001, float))
+    )
+    batch_io_threads: bool = field(
+        default_factory=lambda: bool(_from_environment("ACTORRPC_BATCH_IO_THREADS", 1, int))
     )
     device_maps: dict[str, Any] = field(default_factory=dict)
     devices: list[Any] = field(default_factory=list)

@@ -14,10 +14,17 @@ Invariants:
   within the send timeout raises :class:`~actorrpc.errors.PeerUnreachableError`.
 * Every connection is authenticated before a byte of it reaches the inbox
   (ZAP with PLAIN credentials by default, or CURVE, which also encrypts).
+* With ``batch_io_threads`` (Linux), libzmq's I/O threads run under
+  ``SCHED_BATCH``: waking one (a message to send, or bytes arriving) never
+  preempts the thread running on that core; it runs when that thread yields
+  (a busy poll's ``sched_yield``), blocks, or uses up its time slice. The policy
+  is set only after a probe showed this process may set it, because libzmq
+  aborts the process when it cannot.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -30,7 +37,7 @@ import zmq.auth.thread
 
 from ..errors import ActorRpcError, InvalidArgumentError, PeerUnreachableError
 
-__all__ = ["SECURITY_MODES", "PeerLink", "Transport"]
+__all__ = ["SECURITY_MODES", "PeerLink", "Transport", "batch_scheduling_available"]
 
 SECURITY_MODES = ("plain", "curve", "none")
 _ZAP_DOMAIN = "actorrpc"
@@ -58,6 +65,32 @@ _sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 _LONG_YIELD_SECONDS = 0.0005
 _MIN_CONTENDED_PAUSE_SECONDS = 0.02
 _MAX_CONTENDED_PAUSE_SECONDS = 1.0
+
+
+@functools.cache
+def batch_scheduling_available() -> bool:
+    """Whether threads of this process may run under ``SCHED_BATCH`` (probed once).
+
+    The probe is a throwaway thread that sets the policy on itself: libzmq sets
+    it on its I/O threads with no way to report a refusal but aborting.
+    """
+    policy = getattr(os, "SCHED_BATCH", None)
+    if policy is None or not hasattr(os, "sched_setscheduler"):
+        return False
+    allowed: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, policy, os.sched_param(0))  # 0: the calling thread
+        except OSError:
+            allowed.append(False)
+        else:
+            allowed.append(True)
+
+    thread = threading.Thread(target=probe, name="actorrpc-sched-probe", daemon=True)
+    thread.start()
+    thread.join(5.0)
+    return allowed == [True]
 
 
 def _curve_keypair(secret: str) -> tuple[bytes, bytes]:
@@ -129,6 +162,9 @@ class Transport:
             encrypted) or ``"none"``.
         send_timeout: seconds a send may block on a full queue before failing.
         high_water_mark: messages queued per link before senders block.
+        batch_io_threads: run libzmq's I/O threads under ``SCHED_BATCH`` where
+            the system allows it (see the module docstring);
+            :attr:`batch_io_threads` tells whether it was applied.
     """
 
     def __init__(
@@ -140,6 +176,7 @@ class Transport:
         security: str = "plain",
         send_timeout: float = 60.0,
         high_water_mark: int = 10000,
+        batch_io_threads: bool = True,
     ) -> None:
         if security not in SECURITY_MODES:
             raise InvalidArgumentError(
@@ -153,6 +190,10 @@ class Transport:
         self._send_timeout_ms = int(send_timeout * 1000) if send_timeout > 0 else -1
         self._hwm = high_water_mark
         self._context: zmq.Context[Any] = zmq.Context()
+        # before the first socket: libzmq starts its I/O threads with the first socket
+        self.batch_io_threads = batch_io_threads and batch_scheduling_available()
+        if self.batch_io_threads:
+            self._context.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
         self._authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
         self._links: dict[bytes, PeerLink] = {}
         self._links_lock = threading.Lock()
