@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import pytest
 
 from actorrpc.agent._calls import FlowCredits
-from actorrpc.transport import Transport, _zmq
-from actorrpc.transport._zmq import _RECV_BATCH, batch_scheduling_available
+from actorrpc.transport import Transport
+from actorrpc.transport._zmq import _RECV_BATCH
 
 from ._waiting import wait_until
 
@@ -197,71 +196,3 @@ def test_a_yield_that_gives_the_core_away_stops_polling_for_a_while(
     sender.link(b"1:receiver", receiver.endpoint).send([b"H" * 20, b"x"])
     assert len(_receive(receiver, 1, busy=True)) == 1
     assert receiver._contended_pause == 30.0  # back to the minimum
-
-
-# -- libzmq's I/O threads under SCHED_BATCH ------------------------------------------------
-
-
-def _thread_ids() -> set[int]:
-    return {int(tid) for tid in os.listdir("/proc/self/task")}
-
-
-def _thread_name(tid: int) -> str:
-    try:
-        with open(f"/proc/self/task/{tid}/comm", encoding="ascii") as handle:
-            return handle.read().strip()
-    except OSError:
-        return ""  # the thread ended
-
-
-def _io_threads_started_since(before: set[int]) -> list[int]:
-    """Thread ids of libzmq I/O threads started after ``before`` was taken.
-
-    libzmq sets a thread's policy before its name, inside the new thread: once
-    the name shows, the policy is final.
-    """
-    found: list[int] = []
-
-    def named() -> bool:
-        found[:] = [t for t in _thread_ids() - before if _thread_name(t).startswith("ZMQbg/IO")]
-        return bool(found)
-
-    assert wait_until(named, 10), "no libzmq I/O thread was started"
-    return found
-
-
-@pytest.mark.skipif(not batch_scheduling_available(), reason="SCHED_BATCH is not allowed here")
-@pytest.mark.parametrize("batch", [True, False])
-def test_io_threads_run_under_sched_batch_when_asked(batch: bool) -> None:
-    before = _thread_ids()
-    transport = Transport(b"0:sched", secret="s", security="plain", batch_io_threads=batch)
-    try:
-        threads = _io_threads_started_since(before)
-        expected = os.SCHED_BATCH if batch else os.SCHED_OTHER
-        assert {os.sched_getscheduler(tid) for tid in threads} == {expected}
-        assert transport.batch_io_threads is batch
-    finally:
-        transport.close()
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="no SCHED_BATCH on this system")
-def test_io_threads_keep_the_default_policy_where_the_probe_is_refused(monkeypatch) -> None:
-    # libzmq aborts the process when it cannot set the policy: it is asked only after a probe
-    monkeypatch.setattr(_zmq, "batch_scheduling_available", lambda: False)
-    before = _thread_ids()
-    transport = Transport(b"0:refused", secret="s", security="plain", batch_io_threads=True)
-    try:
-        threads = _io_threads_started_since(before)
-        assert {os.sched_getscheduler(tid) for tid in threads} == {os.SCHED_OTHER}
-        assert transport.batch_io_threads is False
-    finally:
-        transport.close()
-
-
-def test_the_probe_leaves_the_calling_thread_alone() -> None:
-    policy = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
-    batch_scheduling_available.cache_clear()
-    available = batch_scheduling_available()
-    assert isinstance(available, bool)
-    if policy is not None:
-        assert os.sched_getscheduler(0) == policy

@@ -522,6 +522,7 @@ class Agent(MessageDispatcher):
         self.liveness.check()
         self._pool.maintain()
         self.riders.flush()
+        self._transport.io_threads.check()
 
     def _poll_timeout(self) -> float:
         limit = _MAX_POLL if self._pool.idle_or_empty() else STALL_SECONDS

@@ -99,12 +99,14 @@ class ZmqRpcBackendOptions:
             Costs at most this much CPU per wait that lasts longer. The default
             (1 ms) comes from ``ACTORRPC_BUSY_POLL`` when it is set.
         batch_io_threads: run libzmq's I/O threads under Linux's ``SCHED_BATCH``
-            policy (where the system allows it): a message handed to them, or
-            arriving for them, then waits for the running thread to yield its
-            core instead of preempting it. Each preemption costs ~20 µs on
-            these VMs; with it off, an ``rpc_sync`` takes ~40 % longer
-            (docs/performance.md). Default on; ``ACTORRPC_BATCH_IO_THREADS=0``
-            turns it off.
+            policy while that is faster: a message handed to them, or arriving
+            for them, then waits for the running thread (usually this worker's
+            own, busy-polling) to yield its core instead of preempting it,
+            which costs ~20 µs per message on these VMs. When the threads wait
+            too long instead (a thread that never yields shares their core),
+            they go back to the default policy and retry later
+            (``transport._io_threads``). Default on;
+            ``ACTORRPC_BATCH_IO_THREADS=0`` turns it off.
         device_maps, devices: accepted for torch compatibility; CPU only.
 
     Example::

@@ -14,18 +14,15 @@ Invariants:
   within the send timeout raises :class:`~actorrpc.errors.PeerUnreachableError`.
 * Every connection is authenticated before a byte of it reaches the inbox
   (ZAP with PLAIN credentials by default, or CURVE, which also encrypts).
-* With ``batch_io_threads`` (Linux), libzmq's I/O threads run under
-  ``SCHED_BATCH``: waking one (a message to send, or bytes arriving) never
-  preempts the thread running on that core; it runs when that thread yields
-  (a busy poll's ``sched_yield``), blocks, or uses up its time slice. The policy
-  is set only after a probe showed this process may set it, because libzmq
-  aborts the process when it cannot.
+* libzmq's threads of a transport are named ``<n>/ZMQbg/...`` with ``n``
+  unique in the process, so that their scheduling policy can be set
+  (``_io_threads``) without touching other contexts' threads.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import itertools
 import os
 import threading
 import time
@@ -36,8 +33,9 @@ import zmq
 import zmq.auth.thread
 
 from ..errors import ActorRpcError, InvalidArgumentError, PeerUnreachableError
+from ._io_threads import IoThreadScheduling, threads_named
 
-__all__ = ["SECURITY_MODES", "PeerLink", "Transport", "batch_scheduling_available"]
+__all__ = ["SECURITY_MODES", "PeerLink", "Transport"]
 
 SECURITY_MODES = ("plain", "curve", "none")
 _ZAP_DOMAIN = "actorrpc"
@@ -45,6 +43,7 @@ _USER = "actorrpc"
 _RECV_BATCH = 256
 _WAKE_ID = b"!wake"  # agent identities start with a rank digit
 _COPY_THRESHOLD = 65536  # memoryview frames at least this big are sent zero-copy
+_thread_name_prefixes = itertools.count(1)  # one per transport (ZMQ_THREAD_NAME_PREFIX)
 
 # The per-message path calls the socket methods of pyzmq's compiled base class
 # with plain-int flags: its pure-Python wrappers (and the enum arithmetic on
@@ -65,32 +64,6 @@ _sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 _LONG_YIELD_SECONDS = 0.0005
 _MIN_CONTENDED_PAUSE_SECONDS = 0.02
 _MAX_CONTENDED_PAUSE_SECONDS = 1.0
-
-
-@functools.cache
-def batch_scheduling_available() -> bool:
-    """Whether threads of this process may run under ``SCHED_BATCH`` (probed once).
-
-    The probe is a throwaway thread that sets the policy on itself: libzmq sets
-    it on its I/O threads with no way to report a refusal but aborting.
-    """
-    policy = getattr(os, "SCHED_BATCH", None)
-    if policy is None or not hasattr(os, "sched_setscheduler"):
-        return False
-    allowed: list[bool] = []
-
-    def probe() -> None:
-        try:
-            os.sched_setscheduler(0, policy, os.sched_param(0))  # 0: the calling thread
-        except OSError:
-            allowed.append(False)
-        else:
-            allowed.append(True)
-
-    thread = threading.Thread(target=probe, name="actorrpc-sched-probe", daemon=True)
-    thread.start()
-    thread.join(5.0)
-    return allowed == [True]
 
 
 def _curve_keypair(secret: str) -> tuple[bytes, bytes]:
@@ -162,9 +135,8 @@ class Transport:
             encrypted) or ``"none"``.
         send_timeout: seconds a send may block on a full queue before failing.
         high_water_mark: messages queued per link before senders block.
-        batch_io_threads: run libzmq's I/O threads under ``SCHED_BATCH`` where
-            the system allows it (see the module docstring);
-            :attr:`batch_io_threads` tells whether it was applied.
+        batch_io_threads: run libzmq's I/O threads under ``SCHED_BATCH`` while
+            that is faster (``_io_threads``); :attr:`io_threads` holds the state.
     """
 
     def __init__(
@@ -190,10 +162,10 @@ class Transport:
         self._send_timeout_ms = int(send_timeout * 1000) if send_timeout > 0 else -1
         self._hwm = high_water_mark
         self._context: zmq.Context[Any] = zmq.Context()
-        # before the first socket: libzmq starts its I/O threads with the first socket
-        self.batch_io_threads = batch_io_threads and batch_scheduling_available()
-        if self.batch_io_threads:
-            self._context.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
+        # set before the first socket, which starts libzmq's threads
+        prefix = next(_thread_name_prefixes)
+        self._context.set(zmq.THREAD_NAME_PREFIX, prefix)
+        self.thread_names = f"{prefix}/ZMQbg/"  # how libzmq's threads of this transport start
         self._authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
         self._links: dict[bytes, PeerLink] = {}
         self._links_lock = threading.Lock()
@@ -229,6 +201,10 @@ class Transport:
         self._contended_pause = _MIN_CONTENDED_PAUSE_SECONDS
         # readable when the inbox may hold messages (ZMQ_FD); any thread may poll it
         self.inbox_fd = int(self._inbox.getsockopt(zmq.FD))
+        self.io_threads = IoThreadScheduling(
+            threads_named(f"{self.thread_names}IO/") if batch_io_threads else [],
+            batch_io_threads,
+        )
 
     def _configure_server(self, socket: zmq.Socket[Any]) -> None:
         if self._security == "none":
