@@ -142,23 +142,30 @@ def _policy(tid: int) -> int:
     return os.sched_getscheduler(tid)
 
 
+def _thread_ids() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
 @needs_batch
 @pytest.mark.parametrize("batch", [True, False])
 def test_a_transports_own_io_threads_get_the_policy(batch: bool) -> None:
+    before = _thread_ids()
     first = Transport(b"0:first", secret="s", security="plain", batch_io_threads=batch)
+    started = _thread_ids() - before
     second = Transport(b"1:second", secret="s", security="plain", batch_io_threads=True)
     try:
         if batch:
             assert first.io_threads.tids and first.io_threads.policy == "batch"
+            assert set(first.io_threads.tids) <= started
             assert {_policy(t) for t in first.io_threads.tids} == {os.SCHED_BATCH}
         else:
             assert first.io_threads.policy == "off" and first.io_threads.tids == []
-            left_alone = io.threads_named(f"{first.thread_names}IO/")
-            assert left_alone and {_policy(t) for t in left_alone} == {os.SCHED_OTHER}
+            assert started and {_policy(t) for t in started} == {os.SCHED_OTHER}
+        assert second.io_threads.policy == "batch"
         assert not set(first.io_threads.tids) & set(second.io_threads.tids)
         for tid in second.io_threads.tids:
             with open(f"/proc/self/task/{tid}/comm", encoding="ascii") as handle:
-                assert "ZMQbg/IO/" in handle.read()
+                assert handle.read().startswith(f"{second.thread_names}IO/")
     finally:
         first.close()
         second.close()

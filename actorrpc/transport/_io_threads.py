@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 CHECK_INTERVAL = 0.1
-MAX_BATCH_WAIT = 100e-6  # mean run-queue wait per wake-up above which batch loses
+MAX_BATCH_WAIT = 50e-6  # mean run-queue wait per wake-up above which batch loses
 MIN_WAKEUPS = 20  # wake-ups a check needs before it judges
 MIN_BACKOFF = 1.0
 MAX_BACKOFF = 60.0

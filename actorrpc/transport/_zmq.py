@@ -44,6 +44,7 @@ _RECV_BATCH = 256
 _WAKE_ID = b"!wake"  # agent identities start with a rank digit
 _COPY_THRESHOLD = 65536  # memoryview frames at least this big are sent zero-copy
 _thread_name_prefixes = itertools.count(1)  # one per transport (ZMQ_THREAD_NAME_PREFIX)
+_THREAD_NAME_PREFIX = int(getattr(zmq, "THREAD_NAME_PREFIX", 9))  # ZMQ_THREAD_NAME_PREFIX
 
 # The per-message path calls the socket methods of pyzmq's compiled base class
 # with plain-int flags: its pure-Python wrappers (and the enum arithmetic on
@@ -163,9 +164,16 @@ class Transport:
         self._hwm = high_water_mark
         self._context: zmq.Context[Any] = zmq.Context()
         # set before the first socket, which starts libzmq's threads
-        prefix = next(_thread_name_prefixes)
-        self._context.set(zmq.THREAD_NAME_PREFIX, prefix)
-        self.thread_names = f"{prefix}/ZMQbg/"  # how libzmq's threads of this transport start
+        # libzmq's threads of this transport are named "<n>/ZMQbg/...": set before the
+        # first socket, which starts them ("" where this libzmq cannot name them)
+        self.thread_names = ""
+        if batch_io_threads:
+            prefix = next(_thread_name_prefixes)
+            try:
+                self._context.set(_THREAD_NAME_PREFIX, prefix)
+                self.thread_names = f"{prefix}/ZMQbg/"
+            except zmq.ZMQError:
+                pass
         self._authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
         self._links: dict[bytes, PeerLink] = {}
         self._links_lock = threading.Lock()
@@ -202,7 +210,7 @@ class Transport:
         # readable when the inbox may hold messages (ZMQ_FD); any thread may poll it
         self.inbox_fd = int(self._inbox.getsockopt(zmq.FD))
         self.io_threads = IoThreadScheduling(
-            threads_named(f"{self.thread_names}IO/") if batch_io_threads else [],
+            threads_named(f"{self.thread_names}IO/") if self.thread_names else [],
             batch_io_threads,
         )
 
