@@ -184,11 +184,11 @@ def test_bad_busy_poll_rejected(busy_poll):
 def test_options_from_the_environment_are_checked(monkeypatch):
     monkeypatch.setenv("ACTORRPC_BUSY_POLL", "0.002")
     monkeypatch.setenv("ACTORRPC_SHM_THRESHOLD", "4096")
-    assert rpc.ZmqRpcBackendOptions().batch_io_threads is True
-    monkeypatch.setenv("ACTORRPC_BATCH_IO_THREADS", "0")
+    assert rpc.ZmqRpcBackendOptions().batch_scheduling is True
+    monkeypatch.setenv("ACTORRPC_BATCH_SCHEDULING", "0")
     options = rpc.ZmqRpcBackendOptions()
     assert (options.busy_poll, options.shared_memory_threshold) == (0.002, 4096)
-    assert options.batch_io_threads is False
+    assert options.batch_scheduling is False
     monkeypatch.setenv("ACTORRPC_BUSY_POLL", "soon")
     with pytest.raises(ValueError, match="ACTORRPC_BUSY_POLL='soon' is not a valid float"):
         rpc.ZmqRpcBackendOptions()

@@ -43,6 +43,7 @@ from ..errors import (
 from ..protocol import FLAG_RIDERS, Header, MessageKind, encode_header, encode_inline
 from ..serialization import PickleTarget, dumps, pickling_for
 from ..transport import Transport
+from ._batch_scheduling import BatchScheduling
 from ._calls import (
     CallHook,
     CallRecord,
@@ -191,7 +192,10 @@ class Agent(MessageDispatcher):
                 secret=secret,
                 security=options.security,
                 send_timeout=options.rpc_timeout or 0,
-                batch_io_threads=options.batch_io_threads,
+                name_threads=options.batch_scheduling,
+            )
+            self.batch_scheduling = BatchScheduling(
+                self._transport.io_thread_ids(), options.batch_scheduling
             )
             self.endpoint = self._transport.endpoint
             self.shared = SharedBuffers(self, options.shared_memory_threshold)
@@ -522,7 +526,7 @@ class Agent(MessageDispatcher):
         self.liveness.check()
         self._pool.maintain()
         self.riders.flush()
-        self._transport.io_threads.check()
+        self.batch_scheduling.check()
 
     def _poll_timeout(self) -> float:
         limit = _MAX_POLL if self._pool.idle_or_empty() else STALL_SECONDS

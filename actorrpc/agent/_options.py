@@ -98,15 +98,15 @@ class ZmqRpcBackendOptions:
             (cold caches): polling through a short round trip keeps it warm.
             Costs at most this much CPU per wait that lasts longer. The default
             (1 ms) comes from ``ACTORRPC_BUSY_POLL`` when it is set.
-        batch_io_threads: run libzmq's I/O threads under Linux's ``SCHED_BATCH``
+        batch_scheduling: run libzmq's I/O threads under Linux's ``SCHED_BATCH``
             policy while that is faster: a message handed to them, or arriving
             for them, then waits for the running thread (usually this worker's
             own, busy-polling) to yield its core instead of preempting it,
-            which costs ~20 µs per message on these VMs. When the threads wait
-            too long instead (a thread that never yields shares their core),
-            they go back to the default policy and retry later
-            (``transport._io_threads``). Default on;
-            ``ACTORRPC_BATCH_IO_THREADS=0`` turns it off.
+            which costs ~20 µs per message on these VMs. When they wait too
+            long instead (a thread that never yields shares their core), they
+            go back to the default policy and retry later
+            (``agent._batch_scheduling``). Default on;
+            ``ACTORRPC_BATCH_SCHEDULING=0`` turns it off.
         device_maps, devices: accepted for torch compatibility; CPU only.
 
     Example::
@@ -135,8 +135,8 @@ class ZmqRpcBackendOptions:
     busy_poll: float = field(
         default_factory=lambda: float(_from_environment("ACTORRPC_BUSY_POLL", 0.001, float))
     )
-    batch_io_threads: bool = field(
-        default_factory=lambda: bool(_from_environment("ACTORRPC_BATCH_IO_THREADS", 1, int))
+    batch_scheduling: bool = field(
+        default_factory=lambda: bool(_from_environment("ACTORRPC_BATCH_SCHEDULING", 1, int))
     )
     device_maps: dict[str, Any] = field(default_factory=dict)
     devices: list[Any] = field(default_factory=list)

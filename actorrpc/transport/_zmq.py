@@ -16,7 +16,7 @@ Invariants:
   (ZAP with PLAIN credentials by default, or CURVE, which also encrypts).
 * libzmq's threads of a transport are named ``<n>/ZMQbg/...`` with ``n``
   unique in the process, so that their scheduling policy can be set
-  (``_io_threads``) without touching other contexts' threads.
+  (``agent._batch_scheduling``) without touching other contexts' threads.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import zmq
 import zmq.auth.thread
 
 from ..errors import ActorRpcError, InvalidArgumentError, PeerUnreachableError
-from ._io_threads import IoThreadScheduling, threads_named
 
 __all__ = ["SECURITY_MODES", "PeerLink", "Transport"]
 
@@ -65,6 +64,14 @@ _sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 _LONG_YIELD_SECONDS = 0.0005
 _MIN_CONTENDED_PAUSE_SECONDS = 0.02
 _MAX_CONTENDED_PAUSE_SECONDS = 1.0
+
+
+def _thread_name(tid: int) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm", encoding="ascii", errors="replace") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""  # the thread ended
 
 
 def _curve_keypair(secret: str) -> tuple[bytes, bytes]:
@@ -136,8 +143,8 @@ class Transport:
             encrypted) or ``"none"``.
         send_timeout: seconds a send may block on a full queue before failing.
         high_water_mark: messages queued per link before senders block.
-        batch_io_threads: run libzmq's I/O threads under ``SCHED_BATCH`` while
-            that is faster (``_io_threads``); :attr:`io_threads` holds the state.
+        name_threads: name libzmq's threads of this transport ``<n>/ZMQbg/...``
+            (``n`` unique in the process), so that :meth:`io_thread_ids` can find them.
     """
 
     def __init__(
@@ -149,7 +156,7 @@ class Transport:
         security: str = "plain",
         send_timeout: float = 60.0,
         high_water_mark: int = 10000,
-        batch_io_threads: bool = True,
+        name_threads: bool = True,
     ) -> None:
         if security not in SECURITY_MODES:
             raise InvalidArgumentError(
@@ -167,7 +174,7 @@ class Transport:
         # libzmq's threads of this transport are named "<n>/ZMQbg/...": set before the
         # first socket, which starts them ("" where this libzmq cannot name them)
         self.thread_names = ""
-        if batch_io_threads:
+        if name_threads:
             prefix = next(_thread_name_prefixes)
             try:
                 self._context.set(_THREAD_NAME_PREFIX, prefix)
@@ -209,10 +216,27 @@ class Transport:
         self._contended_pause = _MIN_CONTENDED_PAUSE_SECONDS
         # readable when the inbox may hold messages (ZMQ_FD); any thread may poll it
         self.inbox_fd = int(self._inbox.getsockopt(zmq.FD))
-        self.io_threads = IoThreadScheduling(
-            threads_named(f"{self.thread_names}IO/") if self.thread_names else [],
-            batch_io_threads,
-        )
+
+    def io_thread_ids(self, timeout: float = 1.0) -> list[int]:
+        """Native ids of libzmq's I/O threads of this transport (``[]`` if unnamed).
+
+        A new thread names itself once it runs: this waits up to ``timeout``
+        seconds for at least one.
+        """
+        if not self.thread_names:
+            return []
+        deadline = time.monotonic() + timeout
+        pause = threading.Event()
+        prefix = f"{self.thread_names}IO/"
+        while True:
+            try:
+                tids = [int(t) for t in os.listdir("/proc/self/task")]
+            except OSError:
+                return []  # no /proc here
+            found = [t for t in tids if _thread_name(t).startswith(prefix)]
+            if found or time.monotonic() >= deadline:
+                return found
+            pause.wait(0.001)
 
     def _configure_server(self, socket: zmq.Socket[Any]) -> None:
         if self._security == "none":

@@ -1,0 +1,179 @@
+"""``SCHED_BATCH`` for libzmq's I/O threads, while it is faster.
+
+libzmq moves every message through an I/O thread of its own. Under Linux's
+default policy, waking that thread (a message to send, bytes that arrived)
+preempts whatever runs on its core. When that is one of this worker's own
+threads busy-polling for a message (``ZmqRpcBackendOptions.busy_poll``), the
+preemption only costs time: on these VMs ~20 µs per message, ~35 % of an
+``rpc_sync`` (docs/performance.md, eleventh session). A ``SCHED_BATCH`` thread
+that wakes does not preempt; it runs when the running thread yields (the poll's
+``sched_yield``), blocks or uses up its time slice.
+
+The price comes when a thread that never yields shares the core (another
+process's busy loop, a long computation, a loop issuing ``rpc_async`` calls):
+a batch thread then waits for that thread's time slice to end, up to ~1 ms per
+message. So the policy is watched: every
+:data:`CHECK_INTERVAL` seconds the threads' run-queue waits
+(``/proc/self/task/<tid>/schedstat``) are read, and when their mean wait per
+wake-up exceeds :data:`MAX_BATCH_WAIT` they go back to the default policy. They
+try ``SCHED_BATCH`` again after a back-off that starts at :data:`MIN_BACKOFF`
+and doubles (up to :data:`MAX_BACKOFF`) while the trials keep failing.
+
+Invariants:
+
+* Only the threads handed in are touched: libzmq's I/O threads of this
+  worker's own context (found by name, ``Transport.io_thread_ids``). A thread
+  that ended is dropped, never confused with a thread that later reuses its id.
+* A refused policy change (a sandbox without ``sched_setscheduler``) leaves
+  the threads as they are and turns the watching off; nothing raises.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+__all__ = [
+    "BATCH",
+    "CHECK_INTERVAL",
+    "DEFAULT",
+    "MAX_BACKOFF",
+    "MAX_BATCH_WAIT",
+    "MIN_BACKOFF",
+    "MIN_WAKEUPS",
+    "OFF",
+    "UNAVAILABLE",
+    "BatchScheduling",
+]
+
+CHECK_INTERVAL = 0.1
+MAX_BATCH_WAIT = 50e-6  # mean run-queue wait per wake-up above which batch loses
+MIN_WAKEUPS = 20  # wake-ups a check needs before it judges
+MIN_BACKOFF = 1.0
+MAX_BACKOFF = 60.0
+
+BATCH = "batch"
+DEFAULT = "default"
+OFF = "off"  # not asked for
+UNAVAILABLE = "unavailable"  # asked for, but no thread was found or the system refused
+
+_Waits = dict[int, tuple[int, int]]  # thread id -> (run-queue wait in ns, time slices)
+
+
+def _read_waits(tids: Iterable[int]) -> _Waits:
+    """Run-queue wait and time slices of each thread in ``tids`` that still runs."""
+    waits: _Waits = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as handle:
+                _, wait_ns, slices = handle.read().split()
+        except (OSError, ValueError):
+            continue
+        waits[tid] = (int(wait_ns), int(slices))
+    return waits
+
+
+def _set_policy(tid: int, batch: bool) -> None:
+    os.sched_setscheduler(tid, os.SCHED_BATCH if batch else os.SCHED_OTHER, os.sched_param(0))
+
+
+class BatchScheduling:
+    """Keeps a set of threads under ``SCHED_BATCH`` while that is faster (module docstring).
+
+    ``check()`` is cheap between intervals (one clock comparison) and is called
+    by one thread (the agent's housekeeping); ``describe()`` by any.
+    """
+
+    def __init__(
+        self,
+        tids: Iterable[int],
+        enabled: bool,
+        read_waits: Callable[[Iterable[int]], _Waits] = _read_waits,
+        set_policy: Callable[[int, bool], None] = _set_policy,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.fallbacks = 0  # times batch was given up because the threads waited
+        self._read_waits = read_waits
+        self._set_policy = set_policy
+        self._clock = clock
+        self._lock = threading.Lock()  # tids and policy changes
+        self._tids: list[int] = []
+        self._backoff = MIN_BACKOFF
+        self._retry_at = 0.0
+        self._next_check = 0.0
+        self._last: _Waits = {}
+        if not enabled:
+            self.policy = OFF
+            return
+        self.policy = BATCH if hasattr(os, "SCHED_BATCH") else UNAVAILABLE
+        with self._lock:
+            for tid in tids:
+                if self.policy == BATCH and self._apply(tid, True):
+                    self._tids.append(tid)
+            if not self._tids:
+                self.policy = UNAVAILABLE  # no thread found, or the system refused
+        self._start_window()
+
+    @property
+    def tids(self) -> list[int]:
+        with self._lock:
+            return list(self._tids)
+
+    def _apply(self, tid: int, batch: bool) -> bool:
+        """Set one thread's policy (under the lock); False if it is gone or refused."""
+        try:
+            self._set_policy(tid, batch)
+        except ProcessLookupError:
+            if tid in self._tids:
+                self._tids.remove(tid)  # it ended
+            return False
+        except OSError:
+            self.policy = UNAVAILABLE  # not allowed here: leave the threads be
+            self._tids.clear()
+            return False
+        return True
+
+    def _switch(self, batch: bool) -> None:
+        with self._lock:
+            for tid in list(self._tids):
+                self._apply(tid, batch)
+            if self.policy != UNAVAILABLE:
+                self.policy = BATCH if batch else DEFAULT
+
+    def _start_window(self) -> None:
+        self._last = self._read_waits(self.tids)
+        self._next_check = self._clock() + CHECK_INTERVAL
+
+    def check(self) -> None:
+        """Judge the last interval; switch policy when batch loses or a retry is due."""
+        now = self._clock()
+        if self.policy in (OFF, UNAVAILABLE) or now < self._next_check:
+            return
+        self._next_check = now + CHECK_INTERVAL
+        if self.policy == DEFAULT:
+            if now >= self._retry_at:
+                self._switch(True)
+                self._start_window()
+            return
+        current = self._read_waits(self.tids)
+        waited = wakeups = 0
+        for tid, (wait_ns, slices) in current.items():
+            before = self._last.get(tid)
+            if before is not None:
+                waited += wait_ns - before[0]
+                wakeups += slices - before[1]
+        if wakeups < MIN_WAKEUPS:
+            return  # too quiet to judge: keep counting from the same start
+        self._last = current
+        if waited / wakeups / 1e9 <= MAX_BATCH_WAIT:
+            self._backoff = MIN_BACKOFF
+            return
+        self._switch(False)
+        self.fallbacks += 1
+        self._retry_at = now + self._backoff
+        self._backoff = min(2 * self._backoff, MAX_BACKOFF)
+
+    def describe(self) -> dict[str, object]:
+        return {"policy": self.policy, "threads": len(self.tids), "fallbacks": self.fallbacks}

@@ -1,0 +1,230 @@
+"""SCHED_BATCH for libzmq's I/O threads, and the fallback when it loses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterable
+
+import pytest
+
+import actorrpc as rpc
+from actorrpc.agent import _batch_scheduling as sched
+from actorrpc.agent._batch_scheduling import BatchScheduling
+from actorrpc.transport import Transport
+
+from ._waiting import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+needs_batch = pytest.mark.skipif(
+    not hasattr(os, "SCHED_BATCH") or not os.path.isdir("/proc/self/task"),
+    reason="needs Linux's SCHED_BATCH and /proc",
+)
+
+
+class _Threads:
+    """Fake threads: run-queue waits the test sets, policies the scheduling sets."""
+
+    def __init__(self, tids: Iterable[int] = (11, 12)) -> None:
+        self.waits = {tid: [0, 0] for tid in tids}
+        self.batch: dict[int, bool] = {}
+        self.refuse = False
+        self.now = 100.0
+
+    def wake(self, times: int, wait_us: float, tids: Iterable[int] | None = None) -> None:
+        for tid in tids or list(self.waits):
+            self.waits[tid][0] += int(times * wait_us * 1000)
+            self.waits[tid][1] += times
+
+    def read_waits(self, tids: Iterable[int]) -> dict[int, tuple[int, int]]:
+        return {t: (self.waits[t][0], self.waits[t][1]) for t in tids if t in self.waits}
+
+    def set_policy(self, tid: int, batch: bool) -> None:
+        if self.refuse:
+            raise PermissionError("sched_setscheduler refused")
+        if tid not in self.waits:
+            raise ProcessLookupError(tid)
+        self.batch[tid] = batch
+
+    def scheduling(self, enabled: bool = True) -> BatchScheduling:
+        return BatchScheduling(
+            list(self.waits), enabled, self.read_waits, self.set_policy, clock=lambda: self.now
+        )
+
+    def check(self, scheduling: BatchScheduling) -> None:
+        self.now += sched.CHECK_INTERVAL
+        scheduling.check()
+
+
+def test_batch_is_kept_while_the_threads_hardly_wait() -> None:
+    threads = _Threads()
+    scheduling = threads.scheduling()
+    assert scheduling.policy == "batch" and threads.batch == {11: True, 12: True}
+    for _ in range(10):
+        threads.wake(500, wait_us=5)
+        threads.check(scheduling)
+    assert scheduling.describe() == {"policy": "batch", "threads": 2, "fallbacks": 0}
+
+
+def test_batch_is_given_up_when_the_threads_wait_and_retried_after_a_doubling_backoff() -> None:
+    threads = _Threads()
+    scheduling = threads.scheduling()
+    threads.wake(100, wait_us=900)  # a thread that never yields shares the core
+    threads.check(scheduling)
+    assert (scheduling.policy, scheduling.fallbacks) == ("default", 1)
+    assert threads.batch == {11: False, 12: False}
+    gave_up = threads.now
+    while scheduling.policy == "default":
+        threads.check(scheduling)
+    assert sched.MIN_BACKOFF <= threads.now - gave_up < sched.MIN_BACKOFF + 2 * sched.CHECK_INTERVAL
+    assert threads.batch == {11: True, 12: True}
+    threads.wake(100, wait_us=900)  # still losing: the next back-off is twice as long
+    threads.check(scheduling)
+    assert (scheduling.policy, scheduling.fallbacks) == ("default", 2)
+    gave_up = threads.now
+    while scheduling.policy == "default":
+        threads.check(scheduling)
+    assert threads.now - gave_up >= 2 * sched.MIN_BACKOFF
+    threads.wake(100, wait_us=5)  # the other thread left: batch stays, the back-off resets
+    threads.check(scheduling)
+    threads.wake(100, wait_us=900)
+    threads.check(scheduling)
+    gave_up = threads.now
+    while scheduling.policy == "default":
+        threads.check(scheduling)
+    assert threads.now - gave_up < 2 * sched.MIN_BACKOFF
+
+
+def test_quiet_intervals_are_not_judged_but_counted_on() -> None:
+    threads = _Threads(tids=[11])
+    scheduling = threads.scheduling()
+    half = sched.MIN_WAKEUPS // 2
+    threads.wake(half, wait_us=900)
+    threads.check(scheduling)  # too few wake-ups to judge
+    assert scheduling.policy == "batch"
+    threads.wake(half, wait_us=900)
+    threads.check(scheduling)  # judged on both intervals together
+    assert scheduling.policy == "default"
+
+
+def test_checks_between_intervals_do_nothing() -> None:
+    threads = _Threads()
+    scheduling = threads.scheduling()
+    threads.wake(100, wait_us=900)
+    scheduling.check()  # the same instant as the start: not judged yet
+    assert scheduling.policy == "batch"
+
+
+def test_a_thread_that_ended_is_dropped() -> None:
+    threads = _Threads()
+    scheduling = threads.scheduling()
+    del threads.waits[12]
+    threads.wake(100, wait_us=900)
+    threads.check(scheduling)
+    assert scheduling.policy == "default" and scheduling.tids == [11]
+
+
+def test_a_refused_policy_leaves_the_threads_alone_and_never_raises() -> None:
+    threads = _Threads()
+    threads.refuse = True
+    scheduling = threads.scheduling()
+    assert scheduling.policy == "unavailable" and threads.batch == {}
+    threads.check(scheduling)
+    assert scheduling.describe() == {"policy": "unavailable", "threads": 0, "fallbacks": 0}
+
+
+def test_disabled_scheduling_never_touches_the_threads() -> None:
+    threads = _Threads()
+    scheduling = threads.scheduling(enabled=False)
+    threads.wake(100, wait_us=900)
+    threads.check(scheduling)
+    assert scheduling.policy == "off" and threads.batch == {} and scheduling.tids == []
+
+
+# -- real threads -----------------------------------------------------------------------------
+
+
+def _policy(tid: int) -> int:
+    return os.sched_getscheduler(tid)
+
+
+def _thread_ids() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+@needs_batch
+def test_a_transport_finds_its_own_io_threads_only() -> None:
+    before = _thread_ids()
+    first = Transport(b"0:first", secret="s", security="plain")
+    second = Transport(b"1:second", secret="s", security="plain")
+    unnamed = Transport(b"2:unnamed", secret="s", security="plain", name_threads=False)
+    try:
+        mine, theirs = first.io_thread_ids(), second.io_thread_ids()
+        assert mine and theirs and not set(mine) & set(theirs)
+        assert set(mine) | set(theirs) <= _thread_ids() - before
+        for tid in theirs:
+            with open(f"/proc/self/task/{tid}/comm", encoding="ascii") as handle:
+                assert handle.read().startswith(f"{second.thread_names}IO/")
+        assert unnamed.io_thread_ids() == []
+    finally:
+        first.close()
+        second.close()
+        unnamed.close()
+
+
+@needs_batch
+def test_real_threads_switch_policy() -> None:
+    transport = Transport(b"0:real", secret="s", security="plain")
+    try:
+        scheduling = BatchScheduling(transport.io_thread_ids(), True)
+        assert scheduling.tids and {_policy(t) for t in scheduling.tids} == {os.SCHED_BATCH}
+        scheduling._switch(False)
+        assert {_policy(t) for t in scheduling.tids} == {os.SCHED_OTHER}
+        assert scheduling.policy == "default"
+    finally:
+        transport.close()
+
+
+def test_no_thread_found_means_unavailable() -> None:
+    assert BatchScheduling([], True).policy == "unavailable"
+
+
+@needs_batch
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs")
+def test_io_threads_leave_batch_when_a_busy_process_shares_their_core() -> None:
+    sender = Transport(b"0:sender", secret="s", security="plain")
+    receiver = Transport(b"1:receiver", secret="s", security="plain")
+    scheduling = BatchScheduling(receiver.io_thread_ids(), True)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        cpu = sorted(os.sched_getaffinity(0))[0]
+        os.sched_setaffinity(hog.pid, {cpu})
+        for tid in scheduling.tids:
+            os.sched_setaffinity(tid, {cpu})
+        assert scheduling.policy == "batch"
+        link = sender.link(b"1:receiver", receiver.endpoint)
+
+        def fell_back() -> bool:
+            link.send([b"H" * 20, b"ping"])
+            assert receiver.receive(5.0), "a message did not arrive"
+            scheduling.check()
+            return scheduling.policy == "default"
+
+        assert wait_until(fell_back, 30), scheduling.describe()
+        assert scheduling.fallbacks == 1
+        assert {_policy(t) for t in scheduling.tids} == {os.SCHED_OTHER}
+    finally:
+        hog.kill()
+        hog.wait(10)
+        sender.close()
+        receiver.close()
+
+
+@needs_batch
+def test_a_workers_io_threads_run_batch_by_default(cluster: list[str]) -> None:
+    stats = rpc.rpc_sync("worker1", rpc.get_worker_stats)
+    scheduling = stats["batch_scheduling"]
+    assert scheduling["policy"] in ("batch", "default")  # default: it fell back under load
+    assert scheduling["threads"] == 1  # libzmq's one I/O thread
