@@ -176,7 +176,7 @@ def worker_snapshot(agent: Agent) -> dict[str, Any]:
         "busy_poll_hits": agent._transport.busy_poll_hits,
         "busy_poll_misses": agent._transport.busy_poll_misses,
         "busy_poll_contended": agent._transport.busy_poll_contended,  # misses: core shared
-        # libzmq's I/O threads and the pool's: "batch" / "default" policy, fallbacks
+        # libzmq's I/O threads: "batch" / "default" policy, times batch was given up
         "batch_scheduling": agent.batch_scheduling.describe(),
         "notifications": agent.riders.describe(),  # queued, carried on messages, sent alone
     }
