@@ -32,6 +32,8 @@ class _Threads:
         self.batch: dict[int, bool] = {}
         self.refuse = False
         self.now = 100.0
+        self.cpu = 0.0
+        self.cpu_share = 0.2  # CPUs this process uses: little, the rest is someone else's
 
     def wake(self, times: int, wait_us: float, tids: Iterable[int] | None = None) -> None:
         for tid in tids or list(self.waits):
@@ -50,11 +52,13 @@ class _Threads:
 
     def scheduling(self, enabled: bool = True) -> BatchScheduling:
         return BatchScheduling(
-            list(self.waits), enabled, self.read_waits, self.set_policy, clock=lambda: self.now
+            list(self.waits), enabled, self.read_waits, self.set_policy,
+            clock=lambda: self.now, cpu_clock=lambda: self.cpu,
         )
 
     def check(self, scheduling: BatchScheduling) -> None:
         self.now += sched.CHECK_INTERVAL
+        self.cpu += self.cpu_share * sched.CHECK_INTERVAL
         scheduling.check()
 
 
@@ -95,6 +99,20 @@ def test_batch_is_given_up_when_the_threads_wait_and_retried_after_a_doubling_ba
     while scheduling.policy == "default":
         threads.check(scheduling)
     assert threads.now - gave_up < 2 * sched.MIN_BACKOFF
+
+
+def test_waits_behind_this_processs_own_busy_threads_keep_batch() -> None:
+    threads = _Threads()
+    scheduling = threads.scheduling()
+    threads.cpu_share = 1.0  # e.g. a loop issuing rpc_async calls: the waits batch them
+    for _ in range(5):
+        threads.wake(100, wait_us=900)
+        threads.check(scheduling)
+    assert (scheduling.policy, scheduling.fallbacks) == ("batch", 0)
+    threads.cpu_share = 0.3  # the loop ended; someone else's thread takes the core
+    threads.wake(100, wait_us=900)
+    threads.check(scheduling)
+    assert (scheduling.policy, scheduling.fallbacks) == ("default", 1)
 
 
 def test_quiet_intervals_are_not_judged_but_counted_on() -> None:

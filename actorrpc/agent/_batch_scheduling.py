@@ -9,15 +9,18 @@ preemption only costs time: on these VMs ~20 µs per message, ~35 % of an
 that wakes does not preempt; it runs when the running thread yields (the poll's
 ``sched_yield``), blocks or uses up its time slice.
 
-The price comes when a thread that never yields shares the core (another
-process's busy loop, a long computation, a loop issuing ``rpc_async`` calls):
-a batch thread then waits for that thread's time slice to end, up to ~1 ms per
-message. So the policy is watched: every
-:data:`CHECK_INTERVAL` seconds the threads' run-queue waits
-(``/proc/self/task/<tid>/schedstat``) are read, and when their mean wait per
-wake-up exceeds :data:`MAX_BATCH_WAIT` they go back to the default policy. They
-try ``SCHED_BATCH`` again after a back-off that starts at :data:`MIN_BACKOFF`
-and doubles (up to :data:`MAX_BACKOFF`) while the trials keep failing.
+The price comes when a thread that never yields shares the core: a batch
+thread then waits for that thread's time slice to end, up to ~1 ms per
+message. When that thread is another process's (a busy loop, a data loader)
+the waits are pure loss; when it is this process's own (a loop issuing
+``rpc_async`` calls, a long computation), they batch its messages, which helps
+throughput. So the policy is watched: every :data:`CHECK_INTERVAL` seconds the
+threads' run-queue waits (``/proc/self/task/<tid>/schedstat``) are read, and
+when their mean wait per wake-up exceeds :data:`MAX_BATCH_WAIT` while this
+process used less than :data:`SELF_BUSY` CPUs (so others took the core) they
+go back to the default policy. They try ``SCHED_BATCH`` again after a back-off
+that starts at :data:`MIN_BACKOFF` and doubles (up to :data:`MAX_BACKOFF`)
+while the trials keep failing.
 
 Invariants:
 
@@ -43,6 +46,7 @@ __all__ = [
     "MAX_BATCH_WAIT",
     "MIN_BACKOFF",
     "MIN_WAKEUPS",
+    "SELF_BUSY",
     "OFF",
     "UNAVAILABLE",
     "BatchScheduling",
@@ -51,6 +55,7 @@ __all__ = [
 CHECK_INTERVAL = 0.1
 MAX_BATCH_WAIT = 50e-6  # mean run-queue wait per wake-up above which batch loses
 MIN_WAKEUPS = 20  # wake-ups a check needs before it judges
+SELF_BUSY = 0.75  # CPUs this process used per second above which the waits are its own
 MIN_BACKOFF = 1.0
 MAX_BACKOFF = 60.0
 
@@ -93,11 +98,14 @@ class BatchScheduling:
         read_waits: Callable[[Iterable[int]], _Waits] = _read_waits,
         set_policy: Callable[[int, bool], None] = _set_policy,
         clock: Callable[[], float] = time.monotonic,
+        cpu_clock: Callable[[], float] = time.process_time,
     ) -> None:
         self.fallbacks = 0  # times batch was given up because the threads waited
         self._read_waits = read_waits
         self._set_policy = set_policy
         self._clock = clock
+        self._cpu_clock = cpu_clock
+        self._window_start = (0.0, 0.0)  # (wall, process CPU) when the judged window began
         self._lock = threading.Lock()  # tids and policy changes
         self._tids: list[int] = []
         self._backoff = MIN_BACKOFF
@@ -144,7 +152,9 @@ class BatchScheduling:
 
     def _start_window(self) -> None:
         self._last = self._read_waits(self.tids)
-        self._next_check = self._clock() + CHECK_INTERVAL
+        now = self._clock()
+        self._window_start = (now, self._cpu_clock())
+        self._next_check = now + CHECK_INTERVAL
 
     def check(self) -> None:
         """Judge the last interval; switch policy when batch loses or a retry is due."""
@@ -167,9 +177,14 @@ class BatchScheduling:
         if wakeups < MIN_WAKEUPS:
             return  # too quiet to judge: keep counting from the same start
         self._last = current
+        began, cpu_began = self._window_start
+        cpu = self._cpu_clock()
+        self._window_start = (now, cpu)
         if waited / wakeups / 1e9 <= MAX_BATCH_WAIT:
             self._backoff = MIN_BACKOFF
             return
+        if cpu - cpu_began >= SELF_BUSY * (now - began):
+            return  # this process's own threads kept the core: the waits batched its messages
         self._switch(False)
         self.fallbacks += 1
         self._retry_at = now + self._backoff
