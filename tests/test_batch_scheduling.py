@@ -28,7 +28,7 @@ class _Threads:
     """Fake threads: run-queue waits the test sets, policies the scheduling sets."""
 
     def __init__(self, tids: Iterable[int] = (11, 12)) -> None:
-        self.waits = {tid: [0, 0] for tid in tids}
+        self.waits = {tid: [0, 1] for tid in tids}  # each ran once (it named itself)
         self.batch: dict[int, bool] = {}
         self.refuse = False
         self.now = 100.0
@@ -151,6 +151,16 @@ def test_a_refused_policy_leaves_the_threads_alone_and_never_raises() -> None:
     assert scheduling.policy == "unavailable" and threads.batch == {}
     threads.check(scheduling)
     assert scheduling.describe() == {"policy": "unavailable", "threads": 0, "fallbacks": 0}
+
+
+def test_threads_whose_waits_cannot_be_read_are_left_alone() -> None:
+    threads = _Threads()
+    threads.waits = {11: [0, 0], 12: [5000, 3]}  # 11: schedstat counts nothing here
+    scheduling = threads.scheduling()
+    assert scheduling.tids == [12] and threads.batch == {12: True}
+    threads.waits = {}
+    scheduling = threads.scheduling()  # no schedstat at all: no unguarded batch
+    assert scheduling.policy == "unavailable" and scheduling.tids == []
 
 
 def test_disabled_scheduling_never_touches_the_threads() -> None:

@@ -29,6 +29,8 @@ Invariants:
   that ended is dropped, never confused with a thread that later reuses its id.
 * A refused policy change (a sandbox without ``sched_setscheduler``) leaves
   the threads as they are and turns the watching off; nothing raises.
+* Threads whose waits cannot be read (no ``schedstat``, or it counts nothing)
+  are never put under ``SCHED_BATCH``: unwatched, batch would have no guard.
 """
 
 from __future__ import annotations
@@ -115,13 +117,16 @@ class BatchScheduling:
         if not enabled:
             self.policy = OFF
             return
-        self.policy = BATCH if hasattr(os, "SCHED_BATCH") else UNAVAILABLE
+        # batch only where its waits can be watched: a thread that ran has counted slices
+        samples = self._read_waits(tids)
+        watchable = [t for t in tids if samples.get(t, (0, 0))[1] > 0]
+        self.policy = BATCH if hasattr(os, "SCHED_BATCH") and watchable else UNAVAILABLE
         with self._lock:
-            for tid in tids:
+            for tid in watchable:
                 if self.policy == BATCH and self._apply(tid, True):
                     self._tids.append(tid)
             if not self._tids:
-                self.policy = UNAVAILABLE  # no thread found, or the system refused
+                self.policy = UNAVAILABLE  # no thread found, no schedstat, or refused
         self._start_window()
 
     @property
