@@ -25,8 +25,9 @@ while the trials keep failing.
 Invariants:
 
 * Only the threads handed in are touched: libzmq's I/O threads of this
-  worker's own context (found by name, ``Transport.io_thread_ids``). A thread
-  that ended is dropped, never confused with a thread that later reuses its id.
+  worker's own context (found by name, ``Transport.io_thread_ids``), which live
+  as long as its transport (the agent stops checking before closing it). One
+  found gone by a policy switch is dropped.
 * A refused policy change (a sandbox without ``sched_setscheduler``) leaves
   the threads as they are and turns the watching off; nothing raises.
 * Threads whose waits cannot be read (no ``schedstat``, or it counts nothing)

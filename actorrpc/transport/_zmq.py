@@ -170,7 +170,6 @@ class Transport:
         self._send_timeout_ms = int(send_timeout * 1000) if send_timeout > 0 else -1
         self._hwm = high_water_mark
         self._context: zmq.Context[Any] = zmq.Context()
-        # set before the first socket, which starts libzmq's threads
         # libzmq's threads of this transport are named "<n>/ZMQbg/...": set before the
         # first socket, which starts them ("" where this libzmq cannot name them)
         self.thread_names = ""
