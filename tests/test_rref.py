@@ -28,6 +28,8 @@ import actorrpc as rpc
 from actorrpc.rref import rref_context
 from actorrpc.rref._context import GloballyUniqueId, settle
 
+from ._waiting import wait_until
+
 # How many remote() -> share -> drop cycles the load test runs (the issue asks for 10,000).
 LOAD_CYCLES = int(os.environ.get("ACTORRPC_RREF_LOAD_CYCLES", "10000"))
 LOAD_IN_FLIGHT = 12  # cycles in flight at once (each holds a pool thread on its creator)
@@ -1269,6 +1271,14 @@ def test_user_deletes_ride_on_the_next_message_to_the_owner(cluster, monkeypatch
     carried, alone = agent.riders.carried, agent.riders.sent_alone
     sent = agent.stats.calls_sent[owner]
     del rrefs
+
+    def all_deletes_queued_or_carried() -> bool:
+        # an RRef lives on until the reply confirming its creation was handled, which
+        # may come after to_here()'s reply; a liveness PING may carry some already
+        queued = len(agent.riders._queued.get(owner, []))
+        return queued + agent.riders.carried - carried >= 20
+
+    assert wait_until(all_deletes_queued_or_carried, WAIT)
     after = rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"]  # carries the deletes
     # the 20 deletes rode on that call: no message of their own
     assert agent.riders.carried - carried >= 20
