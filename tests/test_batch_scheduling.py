@@ -61,6 +61,15 @@ class _Threads:
         self.cpu += self.cpu_share * sched.CHECK_INTERVAL
         scheduling.check()
 
+    def seconds_until_batch_again(self, scheduling: BatchScheduling) -> float:
+        """Check every interval until batch is retried (at most MAX_BACKOFF's worth)."""
+        gave_up = self.now
+        for _ in range(int(sched.MAX_BACKOFF / sched.CHECK_INTERVAL) + 2):
+            if scheduling.policy == "batch":
+                return self.now - gave_up
+            self.check(scheduling)
+        raise AssertionError("batch was never retried")
+
 
 def test_batch_is_kept_while_the_threads_hardly_wait() -> None:
     threads = _Threads()
@@ -79,26 +88,18 @@ def test_batch_is_given_up_when_the_threads_wait_and_retried_after_a_doubling_ba
     threads.check(scheduling)
     assert (scheduling.policy, scheduling.fallbacks) == ("default", 1)
     assert threads.batch == {11: False, 12: False}
-    gave_up = threads.now
-    while scheduling.policy == "default":
-        threads.check(scheduling)
-    assert sched.MIN_BACKOFF <= threads.now - gave_up < sched.MIN_BACKOFF + 2 * sched.CHECK_INTERVAL
+    backoff = threads.seconds_until_batch_again(scheduling)
+    assert sched.MIN_BACKOFF <= backoff < sched.MIN_BACKOFF + 2 * sched.CHECK_INTERVAL
     assert threads.batch == {11: True, 12: True}
     threads.wake(100, wait_us=900)  # still losing: the next back-off is twice as long
     threads.check(scheduling)
     assert (scheduling.policy, scheduling.fallbacks) == ("default", 2)
-    gave_up = threads.now
-    while scheduling.policy == "default":
-        threads.check(scheduling)
-    assert threads.now - gave_up >= 2 * sched.MIN_BACKOFF
+    assert threads.seconds_until_batch_again(scheduling) >= 2 * sched.MIN_BACKOFF
     threads.wake(100, wait_us=5)  # the other thread left: batch stays, the back-off resets
     threads.check(scheduling)
     threads.wake(100, wait_us=900)
     threads.check(scheduling)
-    gave_up = threads.now
-    while scheduling.policy == "default":
-        threads.check(scheduling)
-    assert threads.now - gave_up < 2 * sched.MIN_BACKOFF
+    assert threads.seconds_until_batch_again(scheduling) < 2 * sched.MIN_BACKOFF
 
 
 def test_waits_behind_this_processs_own_busy_threads_keep_batch() -> None:
