@@ -128,6 +128,12 @@ def test_quiet_intervals_are_not_judged_but_counted_on() -> None:
     assert scheduling.policy == "default"
 
 
+def test_thread_ids_may_come_as_any_iterable() -> None:
+    threads = _Threads()
+    scheduling = BatchScheduling(iter([11, 12]), True, threads.read_waits, threads.set_policy)
+    assert scheduling.tids == [11, 12] and threads.batch == {11: True, 12: True}
+
+
 def test_checks_between_intervals_do_nothing() -> None:
     threads = _Threads()
     scheduling = threads.scheduling()

@@ -37,7 +37,6 @@ Invariants:
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -90,8 +89,9 @@ def _set_policy(tid: int, batch: bool) -> None:
 class BatchScheduling:
     """Keeps a set of threads under ``SCHED_BATCH`` while that is faster (module docstring).
 
-    ``check()`` is cheap between intervals (one clock comparison) and is called
-    by one thread (the agent's housekeeping); ``describe()`` by any.
+    Only the thread that calls ``check()`` (the agent's housekeeping) changes its
+    state, so it needs no lock; ``describe()`` may be read from any thread.
+    ``check()`` is cheap between intervals (one clock comparison).
     """
 
     def __init__(
@@ -109,7 +109,6 @@ class BatchScheduling:
         self._clock = clock
         self._cpu_clock = cpu_clock
         self._window_start = (0.0, 0.0)  # (wall, process CPU) when the judged window began
-        self._lock = threading.Lock()  # tids and policy changes
         self._tids: list[int] = []
         self._backoff = MIN_BACKOFF
         self._retry_at = 0.0
@@ -119,24 +118,23 @@ class BatchScheduling:
             self.policy = OFF
             return
         # batch only where its waits can be watched: a thread that ran has counted slices
-        samples = self._read_waits(tids)
-        watchable = [t for t in tids if samples.get(t, (0, 0))[1] > 0]
+        candidates = list(tids)
+        samples = self._read_waits(candidates)
+        watchable = [t for t in candidates if samples.get(t, (0, 0))[1] > 0]
         self.policy = BATCH if hasattr(os, "SCHED_BATCH") and watchable else UNAVAILABLE
-        with self._lock:
-            for tid in watchable:
-                if self.policy == BATCH and self._apply(tid, True):
-                    self._tids.append(tid)
-            if not self._tids:
-                self.policy = UNAVAILABLE  # no thread found, no schedstat, or refused
+        for tid in watchable:
+            if self.policy == BATCH and self._apply(tid, True):
+                self._tids.append(tid)
+        if not self._tids:
+            self.policy = UNAVAILABLE  # no thread found, no schedstat, or refused
         self._start_window()
 
     @property
     def tids(self) -> list[int]:
-        with self._lock:
-            return list(self._tids)
+        return list(self._tids)
 
     def _apply(self, tid: int, batch: bool) -> bool:
-        """Set one thread's policy (under the lock); False if it is gone or refused."""
+        """Set one thread's policy; False if it is gone or refused."""
         try:
             self._set_policy(tid, batch)
         except ProcessLookupError:
@@ -150,11 +148,10 @@ class BatchScheduling:
         return True
 
     def _switch(self, batch: bool) -> None:
-        with self._lock:
-            for tid in list(self._tids):
-                self._apply(tid, batch)
-            if self.policy != UNAVAILABLE:
-                self.policy = BATCH if batch else DEFAULT
+        for tid in list(self._tids):
+            self._apply(tid, batch)
+        if self.policy != UNAVAILABLE:
+            self.policy = BATCH if batch else DEFAULT
 
     def _start_window(self) -> None:
         self._last = self._read_waits(self.tids)
