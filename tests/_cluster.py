@@ -115,6 +115,11 @@ def main() -> None:
         rpc_timeout=args.rpc_timeout,
         num_worker_threads=args.threads,
         strict_rref_leaks=args.strict_leaks,
+        # these workers wait in shutdown()'s barrier for the whole session, probing worker0
+        # (the pytest process) all along: one answer over 5 s late while the suite loads
+        # both cores (seen once in CI) would fail the session. Dead-peer detection itself
+        # is tested on groups of its own (test_reliability.py).
+        dead_peer_timeout=30.0,
     )
     rpc.init_rpc(f"worker{args.rank}", rank=args.rank, world_size=args.world_size,
                  rpc_backend_options=options)
