@@ -318,6 +318,47 @@ def test_gradients_for_the_requester_travel_in_the_reply(workers: list[str]) -> 
 
 
 @pytest.mark.timeout(60)
+def test_gradients_for_sent_leaves_go_to_them_without_an_engine_pass(
+    workers: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorrpc.agent import current_agent
+    from actorrpc.autograd import _engine
+
+    passes: list[int] = []
+    engine_pass = _engine.gradients_at
+
+    def counted(*args: Any) -> Any:
+        passes.append(1)
+        return engine_pass(*args)
+
+    monkeypatch.setattr(_engine, "gradients_at", counted)
+    t1, t2 = _leaves((3, 3), (3, 3), seed=3)
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker1", torch.mul, args=(t1, t2)).sum()
+        dist_autograd.backward(context_id, [loss])
+        assert len(passes) == 1  # from the loss; the gradients for t1, t2 went straight in
+        _assert_grads(context_id, [t1, t2], [t2.detach(), t1.detach()])
+    # A tensor hook on a sent leaf runs on the gradient that comes back, as the engine does.
+    t3 = _leaves((3, 3), seed=4)[0]
+    t3.register_hook(lambda grad: grad * 3)
+    passes.clear()
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker1", torch.mul, args=(t3, t2)).sum()
+        dist_autograd.backward(context_id, [loss])
+        assert len(passes) == 2
+        _assert_grads(context_id, [t3, t2], [3 * t2.detach(), t3.detach()])
+    # A gradient of another dtype is cast to the leaf's, as the engine casts it.
+    with dist_autograd.context() as context_id:
+        rpc.rpc_sync("worker1", torch.add, args=(t1, t2))
+        ctx = _engine.engine_of(current_agent()).store.retrieve(context_id)
+        (message_id,) = dist_autograd._current_context()._send_functions()
+        float32 = [torch.ones(3, 3, dtype=torch.float32), torch.ones(3, 3, dtype=torch.float32)]
+        _engine.engine_of(current_agent())._continue_at(ctx, message_id, float32, True, 1, None)
+        grads = dist_autograd.get_gradients(context_id)
+        assert grads[t1].dtype == grads[t2].dtype == torch.float64
+
+
+@pytest.mark.timeout(60)
 def test_backward_from_a_received_scalar(workers: list[str]) -> None:
     t1, t2 = _leaves((3, 3), (3, 3))
     with dist_autograd.context() as context_id:

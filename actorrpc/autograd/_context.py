@@ -88,6 +88,8 @@ class SendFunction:
     dest: int  # rank holding the matching recv function
     aliases: tuple[torch.Tensor, ...]
     reach: Any = None  # cached _functions.Reach of the node (the graph below never changes)
+    # cached with ``reach``: the leaves the node's edges lead to, if each leads to a leaf
+    leaves: tuple[torch.Tensor, ...] | None = None
 
     @property
     def node(self) -> Any:

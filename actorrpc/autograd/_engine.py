@@ -92,6 +92,7 @@ from ._functions import (
     Reach,
     find_grad_tensors,
     gradients_at,
+    leaves_at_edges,
     make_recv_outputs,
     make_send_aliases,
     reach_from,
@@ -130,6 +131,18 @@ def _then(future: Any, fn: Callable[[Any], Any]) -> torch.futures.Future:
 
     future.add_done_callback(done)
     return result
+
+
+def _pass_straight_to_leaves(leaves: tuple[torch.Tensor, ...], grads: list[Any]) -> bool:
+    """Whether ``grads`` may go into ``leaves`` without an engine pass.
+
+    Not when a leaf has tensor hooks (the engine runs them on the gradient), nor
+    when a gradient's dtype differs from its leaf's (the engine would cast it).
+    """
+    return not any(
+        leaf._backward_hooks or (grad is not None and grad.dtype != leaf.dtype)
+        for leaf, grad in zip(leaves, grads)
+    )
 
 
 class AutogradEngine:
@@ -373,6 +386,15 @@ class AutogradEngine:
                 )
         if send.reach is None:
             send.reach = reach_from([send.node])
+            send.leaves = leaves_at_edges(send.node)
+        if send.leaves is not None and _pass_straight_to_leaves(send.leaves, grads):
+            # each tensor of the message was a leaf: its gradient is the one that came
+            # back, as the engine would find it (SendRpcBackward is the identity)
+            ctx.claim([("send", message_id)], pass_id, retain_graph)
+            for leaf, grad in zip(send.leaves, grads):
+                if grad is not None:
+                    ctx.accumulate(leaf, grad)
+            return [], []
         return self._local_pass(
             ctx, [("send", message_id)], [a for a, _ in pairs], [g for _, g in pairs],
             send.reach, retain_graph, pass_id, reply_to,

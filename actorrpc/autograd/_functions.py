@@ -37,6 +37,7 @@ __all__ = [
     "SendRpc",
     "find_grad_tensors",
     "gradients_at",
+    "leaves_at_edges",
     "reach_from",
     "recv_tag",
     "replace_tensors",
@@ -224,6 +225,17 @@ def reach_from(nodes: Iterable[Any], extra_leaves: Iterable[torch.Tensor] = ()) 
             if child is not None and child not in seen:
                 stack.append(child)
     return Reach(leaves, recvs)
+
+
+def leaves_at_edges(node: Any) -> tuple[torch.Tensor, ...] | None:
+    """The leaf tensors ``node``'s edges lead to, in order, if every edge leads to one."""
+    leaves = []
+    for child, _ in node.next_functions:
+        variable = getattr(child, "variable", None)  # AccumulateGrad: a leaf
+        if variable is None:
+            return None
+        leaves.append(variable)
+    return tuple(leaves)
 
 
 def gradients_at(
