@@ -121,6 +121,22 @@ def _version(module: str) -> str:
     return str(getattr(mod, "__version__", "unknown"))
 
 
+def python_probe_us(rounds: int = 300) -> float:
+    """Median µs of a fixed pure-Python loop (``sum(range(1000))``): this host's Python speed.
+
+    actorrpc's per-message path is Python and torch's is C++, so their ratio moves with
+    it: the probe tells hosts (and slow phases of one shared host) apart in the records.
+    """
+    clock = time.perf_counter
+    samples = []
+    for _ in range(rounds):
+        t0 = clock()
+        sum(range(1000))
+        samples.append(clock() - t0)
+    samples.sort()
+    return samples[len(samples) // 2] * 1e6
+
+
 def machine_info() -> dict[str, Any]:
     """Describe the machine and the software versions the figures were taken with."""
     info: dict[str, Any] = {
@@ -136,6 +152,7 @@ def machine_info() -> dict[str, Any]:
         "pyzmq": _version("zmq"),
         "dill": _version("dill"),
         "loadavg_at_start": list(os.getloadavg()),
+        "python_probe_us_at_start": python_probe_us(),
     }
     try:
         import zmq

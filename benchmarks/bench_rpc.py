@@ -21,7 +21,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from _common import RESULTS_DIR, Session, SessionError, machine_info
+from _common import RESULTS_DIR, Session, SessionError, machine_info, python_probe_us
 from _metrics import BACKENDS, FULL, METRICS, QUICK, Config, worker_main
 from _report import (
     BANDWIDTH_NOTE,
@@ -244,11 +244,17 @@ def main(argv: list[str] | None = None) -> int:
     report.update(floor=floor, backends=results, table=table)
     report["wall_s"] = time.monotonic() - t_start
     report["loadavg_at_end"] = list(os.getloadavg())
+    report["python_probe_us_at_end"] = python_probe_us()
 
     print(markdown_table(table))
     print()
     print(floor_table(results, floor))
     print(f"\nNote: {BANDWIDTH_NOTE}.")
+    print(
+        f"Python probe (sum(range(1000)), median µs; compares hosts and slow phases): "
+        f"{report['machine']['python_probe_us_at_start']:.1f} at start, "
+        f"{report['python_probe_us_at_end']:.1f} at end."
+    )
     problems = error_lines(results, floor)
     if problems:
         print("\nErrors / n/a:")

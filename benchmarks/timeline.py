@@ -10,8 +10,8 @@ entered, ``s`` when it returns), every message received (``R``, when
 end of ``MessageDispatcher._serve``) and every user function run (``U``/``u``).
 Events are prefixed ``A`` (the caller) or ``B`` (the callee) and carry the message
 kind (``MessageKind`` value: 1 CALL, 2 RESPONSE, 4 REMOTE_CALL, 5 RREF_FETCH,
-8 RREF_USER_DELETE, 9 backward, 10 AUTOGRAD_CLEANUP; ``echo`` sends 1 MiB). Iterations are grouped by
-their sequence of events and, for the most common sequences, the median time of
+8 RREF_USER_DELETE, 9 backward, 10 AUTOGRAD_CLEANUP; ``echo`` sends 1 MiB). Iterations are
+grouped by their sequence of events and, for the most common sequences, the median time of
 each event since the iteration began is printed.
 
 Reading it: the gaps between ``R`` and the next ``S`` on one side are Python
