@@ -127,14 +127,7 @@ def python_probe_us(rounds: int = 300) -> float:
     actorrpc's per-message path is Python and torch's is C++, so their ratio moves with
     it: the probe tells hosts (and slow phases of one shared host) apart in the records.
     """
-    clock = time.perf_counter
-    samples = []
-    for _ in range(rounds):
-        t0 = clock()
-        sum(range(1000))
-        samples.append(clock() - t0)
-    samples.sort()
-    return samples[len(samples) // 2] * 1e6
+    return latency_stats(time_calls(lambda _: sum(range(1000)), 10, rounds))["median_us"]
 
 
 def machine_info() -> dict[str, Any]:
