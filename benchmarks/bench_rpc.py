@@ -67,24 +67,81 @@ def run_floor(cfg: Config) -> dict[str, Any]:
     and the round trip differs ~3x between the two, so each figure is the median round
     (the lower middle one for an even count); every round is kept under ``rounds``.
     """
-    rounds = [_floor_round(cfg) for _ in range(max(1, cfg.floor_rounds))]
+    return merge_floor([_floor_round(cfg) for _ in range(max(1, cfg.floor_rounds))])
+
+
+_FLOOR_FIELDS = {
+    "rpc_sync": "median_us", "rpc_async": "msgs_per_s", "echo_1mb": "gb_per_s",
+    "echo_64mb": "gb_per_s",
+}
+# the figure that orders a metric's rounds (the table's first row for that metric)
+_PRIMARY_FIELDS = {
+    "rpc_sync": "median_us", "rpc_async": "calls_per_s", "remote": "median_us",
+    "echo_1mb": "gb_per_s", "echo_64mb": "gb_per_s", "autograd": "median_us",
+    "init": "init_s_max",
+}
+
+
+def _median_round(entries: list[dict[str, Any]], field: str) -> dict[str, Any] | None:
+    """The entry with the median ``field`` (the lower middle one for an even count);
+    without any numeric one, the first entry (an error), or None."""
+    ok = sorted(
+        (e for e in entries if isinstance(e.get(field), float)), key=lambda e: float(e[field])
+    )
+    if ok:
+        return ok[(len(ok) - 1) // 2]
+    return entries[0] if entries else None
+
+
+def merge_floor(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each floor figure from its median round; every round is kept under ``rounds``."""
     floor: dict[str, Any] = {}
-    for metric, field in (
-        ("rpc_sync", "median_us"),
-        ("rpc_async", "msgs_per_s"),
-        ("echo_1mb", "gb_per_s"),
-        ("echo_64mb", "gb_per_s"),
-    ):
-        entries = [r[metric] for r in rounds if metric in r]
-        ok = sorted(
-            (e for e in entries if isinstance(e.get(field), float)), key=lambda e: float(e[field])
-        )
-        if ok:
-            floor[metric] = ok[(len(ok) - 1) // 2]
-        elif entries:
-            floor[metric] = entries[0]
+    for metric, field in _FLOOR_FIELDS.items():
+        entry = _median_round([r[metric] for r in rounds if metric in r], field)
+        if entry is not None:
+            floor[metric] = entry
     floor["rounds"] = rounds
     return floor
+
+
+def merge_backend_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One backend's results from several rounds: each metric from its median round."""
+    metrics: dict[str, Any] = {}
+    for metric, field in _PRIMARY_FIELDS.items():
+        entries = [r["metrics"][metric] for r in rounds if metric in r.get("metrics", {})]
+        entry = _median_round([e for e in entries if isinstance(e, dict)], field)
+        if entry is not None:
+            metrics[metric] = {**entry, "rounds": [e.get(field) for e in entries]}
+    return {"metrics": metrics, "sessions": sum(r.get("sessions", 0) for r in rounds),
+            "rounds": rounds}
+
+
+def run_interleaved(
+    backends: list[str], metrics: list[str], cfg: Config, rounds: int, floor: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``rounds`` rounds, each measuring the floor and every backend in turn with
+    ``1/rounds`` of the iterations: on a shared host whose speed changes from minute
+    to minute, each backend then meets the same phases (figures: the median rounds)."""
+    share = replace(
+        cfg,
+        sync_n=max(1, cfg.sync_n // rounds),
+        async_total=max(cfg.async_inflight, cfg.async_total // rounds),
+        remote_n=max(1, cfg.remote_n // rounds),
+        echo_1mb_n=max(1, cfg.echo_1mb_n // rounds) if cfg.echo_1mb_n else 0,
+        echo_64mb_n=max(1, cfg.echo_64mb_n // rounds) if cfg.echo_64mb_n else 0,
+        autograd_n=max(1, cfg.autograd_n // rounds),
+        init_rounds=1,
+    )
+    floor_rounds: list[dict[str, Any]] = []
+    per_backend: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
+    for index in range(rounds):
+        _log(f"round {index + 1} of {rounds}")
+        if floor:
+            floor_rounds.append(_floor_round(share))
+        for backend in backends:
+            per_backend[backend].append(run_backend(backend, metrics, share))
+    merged = {b: merge_backend_rounds(rs) for b, rs in per_backend.items()}
+    return (merge_floor(floor_rounds) if floor else {}), merged
 
 
 def _collect_shutdown(
@@ -199,6 +256,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backends", default="torch,actorrpc", help="comma list of: torch,actorrpc")
     p.add_argument("--metrics", default=",".join(METRICS), help="comma list (default: all)")
     p.add_argument("--no-floor", action="store_true", help="skip the bare pyzmq floor")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure the floor and each backend in turn this many times, each with 1/ROUNDS "
+        "of the iterations, and report the median rounds (for hosts whose speed changes)",
+    )
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "latest.json", help="JSON path")
     p.add_argument("--chart", type=Path, default=RESULTS_DIR / "latest.png", help="PNG path")
     p.add_argument("--no-chart", action="store_true", help="do not draw the chart")
@@ -223,23 +287,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = replace(QUICK if args.quick else FULL, pin=args.pin)
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     t_start = time.monotonic()
     report: dict[str, Any] = {
         "machine": machine_info(),
-        "config": {"quick": args.quick, "backends": args.backends, **asdict(cfg)},
+        "config": {"quick": args.quick, "backends": args.backends, "rounds": args.rounds,
+                   **asdict(cfg)},
         "notes": {"bandwidth": BANDWIDTH_NOTE, "ratio": ">1 means actorrpc is better"},
     }
     load_1m = report["machine"]["loadavg_at_start"][0]
     if load_1m > 0.5:
         _log(f"warning: 1-min load average is {load_1m:.2f}; other work skews the figures")
     floor: dict[str, Any] = {}
-    if not args.no_floor:
-        _log("pyzmq floor ...")
-        floor = run_floor(cfg)
     results: dict[str, Any] = {}
-    for backend in args.backends:
-        _log(f"{backend}: starting 2 processes")
-        results[backend] = run_backend(backend, args.metrics, cfg)
+    if args.rounds > 1:
+        floor, results = run_interleaved(
+            args.backends, args.metrics, cfg, args.rounds, not args.no_floor
+        )
+    else:
+        if not args.no_floor:
+            _log("pyzmq floor ...")
+            floor = run_floor(cfg)
+        for backend in args.backends:
+            _log(f"{backend}: starting 2 processes")
+            results[backend] = run_backend(backend, args.metrics, cfg)
     table = build_table(results, floor)
     report.update(floor=floor, backends=results, table=table)
     report["wall_s"] = time.monotonic() - t_start

@@ -1,0 +1,53 @@
+"""bench_rpc.py's interleaved rounds: each figure comes from its metric's median round."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_rpc  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _round(sync_us: float, calls_per_s: float, init_s: float, rss: float) -> dict[str, Any]:
+    return {
+        "sessions": 1,
+        "metrics": {
+            "rpc_sync": {"median_us": sync_us, "p99_us": 2 * sync_us},
+            "rpc_async": {"calls_per_s": calls_per_s},
+            "echo_64mb": {"skipped": "--quick"},
+            "autograd": {"error": "timeout"} if sync_us > 300 else {"median_us": sync_us * 5},
+            "init": {"init_s_max": init_s, "rss_mb": rss},
+        },
+    }
+
+
+def test_each_metric_comes_from_its_own_median_round() -> None:
+    rounds = [_round(350.0, 9000.0, 0.03, 230.0), _round(100.0, 5000.0, 0.01, 220.0),
+              _round(200.0, 7000.0, 0.02, 225.0)]
+    merged = bench_rpc.merge_backend_rounds(rounds)
+    metrics = merged["metrics"]
+    # the median round of each metric, with all its fields (p99 from the same round)
+    assert metrics["rpc_sync"]["median_us"] == 200.0 and metrics["rpc_sync"]["p99_us"] == 400.0
+    assert metrics["rpc_sync"]["rounds"] == [350.0, 100.0, 200.0]
+    assert metrics["rpc_async"]["calls_per_s"] == 7000.0
+    assert metrics["init"] == {"init_s_max": 0.02, "rss_mb": 225.0, "rounds": [0.03, 0.01, 0.02]}
+    # rounds that failed do not count; a metric no round measured keeps its marker
+    assert metrics["autograd"]["median_us"] == 500.0  # lower middle of the two measured
+    assert metrics["echo_64mb"]["skipped"] == "--quick"
+    assert "remote" not in metrics and merged["sessions"] == 3 and merged["rounds"] == rounds
+
+
+def test_the_floor_merges_the_same_way() -> None:
+    rounds = [{"rpc_sync": {"median_us": us}, "rpc_async": {"msgs_per_s": 1e4 * i}}
+              for i, us in enumerate((90.0, 130.0, 110.0, 70.0), start=1)]
+    floor = bench_rpc.merge_floor(rounds)
+    assert floor["rpc_sync"]["median_us"] == 90.0  # lower middle of four
+    assert floor["rpc_async"]["msgs_per_s"] == 2e4 and floor["rounds"] == rounds
+    assert "echo_1mb" not in floor
