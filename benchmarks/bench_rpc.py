@@ -25,6 +25,7 @@ from _common import RESULTS_DIR, Session, SessionError, machine_info, python_pro
 from _metrics import BACKENDS, FULL, METRICS, QUICK, Config, worker_main
 from _report import (
     BANDWIDTH_NOTE,
+    ROWS,
     build_table,
     error_lines,
     floor_table,
@@ -74,12 +75,8 @@ _FLOOR_FIELDS = {
     "rpc_sync": "median_us", "rpc_async": "msgs_per_s", "echo_1mb": "gb_per_s",
     "echo_64mb": "gb_per_s",
 }
-# the figure that orders a metric's rounds (the table's first row for that metric)
-_PRIMARY_FIELDS = {
-    "rpc_sync": "median_us", "rpc_async": "calls_per_s", "remote": "median_us",
-    "echo_1mb": "gb_per_s", "echo_64mb": "gb_per_s", "autograd": "median_us",
-    "init": "init_s_max",
-}
+# the figure that orders a metric's rounds: the one of the table's first row for it
+_PRIMARY_FIELDS = {row.metric: row.field for row in reversed(ROWS)}
 
 
 def _median_round(entries: list[dict[str, Any]], field: str) -> dict[str, Any] | None:
