@@ -80,6 +80,34 @@ def _fmt(value: float) -> str:
     return f"{value:.2f}"
 
 
+def _oriented_ratio(row: Row, t_val: float | None, a_val: float | None) -> float | None:
+    """actorrpc against torch, > 1 when actorrpc is better (None without both figures)."""
+    if not (t_val and a_val):
+        return None
+    return a_val / t_val if row.higher_better else t_val / a_val
+
+
+def round_ratios(results: dict[str, Any]) -> dict[str, list[float | None]]:
+    """Per table row, the ratio within each interleaved round (``bench_rpc.py --rounds``).
+
+    A round measures torch and actorrpc one right after the other, so its ratio is
+    taken in one phase of a host whose speed changes; empty without rounds.
+    """
+    torch_rounds = (results.get("torch") or {}).get("rounds") or []
+    actor_rounds = (results.get("actorrpc") or {}).get("rounds") or []
+    ratios: dict[str, list[float | None]] = {}
+    for row in ROWS:
+        ratios[row.label] = [
+            _oriented_ratio(
+                row,
+                _value(_entry({"torch": t}, "torch", row.metric), row.field),
+                _value(_entry({"actorrpc": a}, "actorrpc", row.metric), row.field),
+            )
+            for t, a in zip(torch_rounds, actor_rounds)
+        ]
+    return ratios if torch_rounds and actor_rounds else {}
+
+
 def build_table(results: dict[str, Any], floor: dict[str, Any]) -> list[dict[str, Any]]:
     """Rows of the ratio table as dicts (numbers plus display strings)."""
     table: list[dict[str, Any]] = []
@@ -88,9 +116,7 @@ def build_table(results: dict[str, Any], floor: dict[str, Any]) -> list[dict[str
         a_entry = _entry(results, "actorrpc", row.metric)
         t_val = _value(t_entry, row.field, row.scale)
         a_val = _value(a_entry, row.field, row.scale)
-        ratio = None
-        if t_val and a_val:
-            ratio = a_val / t_val if row.higher_better else t_val / a_val
+        ratio = _oriented_ratio(row, t_val, a_val)
         met = None if ratio is None or row.target is None else ratio >= row.target
         table.append(
             {

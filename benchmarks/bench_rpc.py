@@ -30,6 +30,7 @@ from _report import (
     error_lines,
     floor_table,
     markdown_table,
+    round_ratios,
     write_chart,
     write_json,
 )
@@ -311,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
             results[backend] = run_backend(backend, args.metrics, cfg)
     table = build_table(results, floor)
     report.update(floor=floor, backends=results, table=table)
+    per_round = round_ratios(results)
+    if per_round:
+        report["round_ratios"] = per_round
     report["wall_s"] = time.monotonic() - t_start
     report["loadavg_at_end"] = list(os.getloadavg())
     report["python_probe_us_at_end"] = python_probe_us()
@@ -318,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(table))
     print()
     print(floor_table(results, floor))
+    if per_round:
+        print("\nRatio within each round (actorrpc better by; the two measured back to back):")
+        for label, ratios in per_round.items():
+            cells = " / ".join(f"{r:.2f}×" if r else "–" for r in ratios)
+            print(f"  {label}: {cells}")
     print(f"\nNote: {BANDWIDTH_NOTE}.")
     print(
         f"Python probe (sum(range(1000)), median µs; compares hosts and slow phases): "

@@ -51,3 +51,22 @@ def test_the_floor_merges_the_same_way() -> None:
     assert floor["rpc_sync"]["median_us"] == 90.0  # lower middle of four
     assert floor["rpc_async"]["msgs_per_s"] == 2e4 and floor["rounds"] == rounds
     assert "echo_1mb" not in floor
+
+
+def test_each_round_gives_its_own_ratio() -> None:
+    from _report import round_ratios
+
+    torch_rounds = [_round(400.0, 4000.0, 0.08, 250.0), _round(200.0, 5000.0, 0.06, 250.0)]
+    actor_rounds = [_round(200.0, 12000.0, 0.01, 225.0), _round(400.0, 5000.0, 0.02, 225.0)]
+    results = {"torch": bench_rpc.merge_backend_rounds(torch_rounds),
+               "actorrpc": bench_rpc.merge_backend_rounds(actor_rounds)}
+    ratios = round_ratios(results)
+    # latency: torch ÷ actorrpc; throughput: actorrpc ÷ torch (> 1: actorrpc better)
+    assert ratios["rpc_sync latency, median (µs)"] == [2.0, 0.5]
+    assert ratios["rpc_async pipelined (calls/s)"] == [3.0, 1.0]
+    assert ratios["init_rpc, max of 2 workers (s)"] == pytest.approx([8.0, 3.0])
+    # a round where either side has no figure has no ratio
+    assert ratios["dist-autograd iteration, median (ms)"] == [None, None]
+    assert ratios["remote()+to_here(), median (µs)"] == [None, None]
+    # without interleaved rounds there is nothing to report
+    assert round_ratios({"torch": torch_rounds[0], "actorrpc": actor_rounds[0]}) == {}
