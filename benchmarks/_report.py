@@ -42,7 +42,11 @@ ROWS = (
 
 
 def _entry(results: dict[str, Any], backend: str, metric: str) -> dict[str, Any] | None:
-    backend_res = results.get(backend)
+    return _metric_entry(results.get(backend), metric)
+
+
+def _metric_entry(backend_res: dict[str, Any] | None, metric: str) -> dict[str, Any] | None:
+    """One metric's figures in one backend's results (a whole run's or one round's)."""
     if backend_res is None:
         return None
     entry = backend_res.get("metrics", {}).get(metric)
@@ -100,8 +104,8 @@ def round_ratios(results: dict[str, Any]) -> dict[str, list[float | None]]:
         ratios[row.label] = [
             _oriented_ratio(
                 row,
-                _value(_entry({"torch": t}, "torch", row.metric), row.field),
-                _value(_entry({"actorrpc": a}, "actorrpc", row.metric), row.field),
+                _value(_metric_entry(t, row.metric), row.field),
+                _value(_metric_entry(a, row.metric), row.field),
             )
             for t, a in zip(torch_rounds, actor_rounds)
         ]

@@ -88,7 +88,8 @@ class SendFunction:
     dest: int  # rank holding the matching recv function
     aliases: tuple[torch.Tensor, ...]
     reach: Any = None  # cached _functions.Reach of the node (the graph below never changes)
-    # cached with ``reach``: the leaves the node's edges lead to, if each leads to a leaf
+    # cached on first use: the leaves the node's edges lead to; () if some edge leads
+    # elsewhere (None: not looked at yet)
     leaves: tuple[torch.Tensor, ...] | None = None
 
     @property

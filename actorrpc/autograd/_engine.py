@@ -384,10 +384,9 @@ class AutogradEngine:
                     f"message {message_id} carries a gradient of shape {got} for a tensor of "
                     f"shape {tuple(alias.shape)} (gradient {index})"
                 )
-        if send.reach is None:
-            send.reach = reach_from([send.node])
-            send.leaves = leaves_at_edges(send.node)
-        if send.leaves is not None and _pass_straight_to_leaves(send.leaves, grads):
+        if send.leaves is None:
+            send.leaves = leaves_at_edges(send.node) or ()
+        if send.leaves and _pass_straight_to_leaves(send.leaves, grads):
             # each tensor of the message was a leaf: its gradient is the one that came
             # back, as the engine would find it (SendRpcBackward is the identity)
             ctx.claim([("send", message_id)], pass_id, retain_graph)
@@ -395,6 +394,8 @@ class AutogradEngine:
                 if grad is not None:
                     ctx.accumulate(leaf, grad)
             return [], []
+        if send.reach is None:
+            send.reach = reach_from([send.node])
         return self._local_pass(
             ctx, [("send", message_id)], [a for a, _ in pairs], [g for _, g in pairs],
             send.reach, retain_graph, pass_id, reply_to,
