@@ -24,6 +24,7 @@ import cProfile
 import os
 import pstats
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -42,29 +43,42 @@ def echo(value: Any) -> Any:
     return value
 
 
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds used so far by each thread of this process, keyed ``name:tid``."""
+def thread_cpu() -> dict[str, tuple[float, int, int]]:
+    """Per thread of this process, keyed ``name:tid``: CPU seconds used so far, and
+    voluntary and involuntary context switches so far."""
     ticks = os.sysconf("SC_CLK_TCK")
-    usage: dict[str, float] = {}
+    python_names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    usage: dict[str, tuple[float, int, int]] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/stat") as stat:
                 fields = stat.read().rsplit(")", 1)[1].split()
             with open(f"/proc/self/task/{tid}/comm") as comm:
-                name = comm.read().strip()
+                name = python_names.get(int(tid)) or comm.read().strip()
+            with open(f"/proc/self/task/{tid}/status") as status:
+                switches = dict(line.split(":", 1) for line in status if "ctxt_switches" in line)
         except OSError:
             continue  # the thread ended meanwhile
-        usage[f"{name}:{tid}"] = (int(fields[11]) + int(fields[12])) / ticks
+        usage[f"{name}:{tid}"] = (
+            (int(fields[11]) + int(fields[12])) / ticks,
+            int(switches["voluntary_ctxt_switches"]),
+            int(switches["nonvoluntary_ctxt_switches"]),
+        )
     return usage
 
 
-def _report(side: str, before: dict[str, float], after: dict[str, float], n: int) -> None:
+def _report(side: str, before: dict[str, tuple[float, int, int]],
+            after: dict[str, tuple[float, int, int]], n: int) -> None:
     for thread in sorted(after):
-        used = after[thread] - before.get(thread, 0.0)
-        if used > 0:
-            print(f"  {side:6s} {thread:28s} {used / n * 1e6:7.1f} us/call")
+        cpu, voluntary, involuntary = (
+            now - then for now, then in zip(after[thread], before.get(thread, (0.0, 0, 0)))
+        )
+        if cpu > 0:
+            print(f"  {side:6s} {thread:28s} {cpu / n * 1e6:7.1f} us/call"
+                  f"  {voluntary / n:5.2f} + {involuntary / n:5.2f} switches/call")
 
 
+_ASYNC_WINDOW = 500
 _LEAVES = [torch.rand(64, 64, requires_grad=True) for _ in range(2)]
 
 
@@ -105,9 +119,11 @@ def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool,
         if profiler is not None:
             profiler.enable()
         started = time.perf_counter()
-        if mode == "async":
-            for future in [rpc.rpc_async("worker1", noop) for _ in range(n)]:
-                future.wait()
+        if mode == "async":  # bench_rpc.py's pattern: windows of 500 calls in flight
+            for first in range(0, n, _ASYNC_WINDOW):
+                window = min(_ASYNC_WINDOW, n - first)
+                for future in [rpc.rpc_async("worker1", noop) for _ in range(window)]:
+                    future.wait()
         else:
             for _ in range(n):
                 begin = time.perf_counter()

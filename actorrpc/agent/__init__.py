@@ -9,7 +9,7 @@ from ._agent import (
     register_agent_plugin,
     set_current_agent,
 )
-from ._calls import run_user_function
+from ._calls import EncodedReply, encode_reply, run_user_function
 from ._futures import Future, complete
 from ._options import (
     DEFAULT_INIT_METHOD,
@@ -32,6 +32,7 @@ __all__ = [
     "BackendType",
     "CallHook",
     "CallRecord",
+    "EncodedReply",
     "Future",
     "IncomingRequest",
     "WorkerInfo",
@@ -39,6 +40,7 @@ __all__ = [
     "coerce_options",
     "complete",
     "current_agent",
+    "encode_reply",
     "format_traceback",
     "register_agent_plugin",
     "run_user_function",

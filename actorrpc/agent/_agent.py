@@ -36,7 +36,6 @@ from ..errors import (
     ActorRpcError,
     NotInitializedError,
     PeerUnreachableError,
-    RpcTimeoutError,
     ShutdownError,
     WorkerLeftError,
 )
@@ -51,6 +50,7 @@ from ._calls import (
     Handler,
     HandlerEntry,
     IncomingRequest,
+    PeerCredits,
     PendingCall,
     RecentEntries,
     compose_reply_transforms,
@@ -59,6 +59,7 @@ from ._deadlines import Deadlines
 from ._dispatch import MessageDispatcher
 from ._dynamic_group import DynamicRendezvous, handle_membership, join_dynamic_group
 from ._futures import Future
+from ._held import HeldRequest, HeldRequests
 from ._inbox import InboxTurns
 from ._liveness import LivenessMonitor
 from ._members import MemberTable
@@ -160,7 +161,7 @@ class Agent(MessageDispatcher):
         self._members = self.members.members
         self._infos = self.members.infos
         self.liveness = LivenessMonitor(self)
-        self._credits: dict[int, FlowCredits] = {}
+        self._credits = PeerCredits(options.max_calls_in_flight_per_peer)
         self._running = False
         self._io_thread: threading.Thread | None = None
         self._last_warning = 0.0
@@ -168,6 +169,7 @@ class Agent(MessageDispatcher):
         self.extensions: dict[str, Any] = {}
         self.inbox = InboxTurns()
         self.riders = Riders(self)
+        self.held = HeldRequests(self)
         self._soon: queue.SimpleQueue[tuple[Callable[..., Any], Any]] = queue.SimpleQueue()
         self.stats = WorkerStats()
         self.tracer = Tracer(rank, name)
@@ -320,7 +322,7 @@ class Agent(MessageDispatcher):
         self.liveness.forget(rank)
         self.shared.peer_gone(rank)
         self.riders.drop(rank)
-        self._credits.pop(rank, None)
+        self._credits.forget(rank)
         if member is not None:
             self._transport.drop_link(member.identity)
 
@@ -337,10 +339,12 @@ class Agent(MessageDispatcher):
         timeout: float = -1.0,
         description: str = "",
         on_result: Callable[[Any], Any] | None = None,
+        hold: bool = False,
     ) -> Future[Any]:
         """Send a request and return the future of its reply.
 
-        Pickling errors are raised here, before anything is sent.
+        Pickling errors are raised here, before anything is sent. ``hold``: keep
+        it back for a moment (see :mod:`._held`), when no call hook is involved.
         """
         if not self._running:
             raise ActorRpcError(f"the RPC agent of {self.name!r} is shut down")
@@ -353,7 +357,7 @@ class Agent(MessageDispatcher):
         try:
             return self.send_encoded(
                 dest, kind, body, timeout, description, on_result, buffers,
-                target if target.has_undo else None,
+                target if target.has_undo else None, hold and on_result is None,
             )
         except BaseException:
             target.abort()  # nothing was sent: undo what pickling registered (RRef forks)
@@ -369,6 +373,7 @@ class Agent(MessageDispatcher):
         on_result: Callable[[Any], Any] | None = None,
         buffers: list[Any] | None = None,
         undo: PickleTarget | None = None,
+        hold: bool = False,
     ) -> Future[Any]:
         """Send an already encoded request (``dest``: a WorkerInfo or GroupMember)."""
         if isinstance(dest, GroupMember):
@@ -387,6 +392,9 @@ class Agent(MessageDispatcher):
         if traced:
             self.tracer.call_sent(message_id, dest.id, description or kind.name,
                                   len(body) + sum(b.nbytes for b in buffers))
+        if hold:
+            self.held.hold(HeldRequest(dest.id, kind, message_id, body, buffers, undo, future))
+            return future
         try:
             self._send(dest.id, kind, message_id, body, buffers)
         except BaseException:
@@ -410,25 +418,13 @@ class Agent(MessageDispatcher):
     def _take_credit(
         self, dest: WorkerInfo, kind: MessageKind, timeout: float
     ) -> FlowCredits | None:
-        """Flow control: at most ``max_calls_in_flight_per_peer`` user calls to one peer.
-
-        A caller beyond the limit waits (up to its timeout) for a reply to free a
-        slot. Control messages and the threads that receive (the I/O thread, a
-        waiter in its turn on the inbox) are never held back.
-        """
+        """Flow control (``max_calls_in_flight_per_peer``) for user calls: control
+        messages and the threads that receive (the I/O thread, a waiter in its turn
+        on the inbox) are never held back."""
         me = threading.get_ident()
         if kind not in _CREDITED_KINDS or me in (self.io_thread_ident, self.inbox.holder):
             return None
-        credits = self._credits.get(dest.id)
-        if credits is None:
-            limit = self.options.max_calls_in_flight_per_peer
-            credits = self._credits.setdefault(dest.id, FlowCredits(limit))
-        if not credits.take(timeout if timeout > 0 else None):
-            raise RpcTimeoutError(
-                f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) waiting to send: "
-                f"{self.options.max_calls_in_flight_per_peer} calls to {dest!r} are in flight"
-            )
-        return credits
+        return self._credits.take(dest, timeout)
 
     def _take_pending(self, message_id: int) -> PendingCall | None:
         """Remove a pending call (exactly once) and give back its flow-control credit."""
@@ -454,8 +450,10 @@ class Agent(MessageDispatcher):
         timeout: float = -1.0,
         kind: MessageKind = MessageKind.CALL,
         extra: tuple[Any, ...] = (),
+        hold: bool = False,
     ) -> Future[Any]:
-        """Run ``func(*args, **kwargs)`` on ``dest``; ``extra`` fields follow the meta dict."""
+        """Run ``func(*args, **kwargs)`` on ``dest``; ``extra`` fields follow the meta dict
+        (``hold``: see :meth:`send_request`)."""
         record, on_result = self.prepare_call(dest, args, kwargs)
         name = getattr(func, "__qualname__", None) or repr(func)
         return self.send_request(
@@ -465,11 +463,14 @@ class Agent(MessageDispatcher):
             timeout,
             description=name,
             on_result=on_result,
+            hold=hold and not record.meta,
         )
 
     def _send(
         self, dest_rank: int, kind: MessageKind, message_id: int, body: bytes, buffers: list[Any]
     ) -> None:
+        if self.held.pending:  # a held request leaves before anything sent after it
+            self.held.release()
         member = self._members.get(dest_rank)
         if member is None:
             if dest_rank in self.members.departed:
@@ -507,10 +508,6 @@ class Agent(MessageDispatcher):
             riders.carried += len(carried)
         self.stats.bytes_out[member.rank] += len(body) + sum(b.nbytes for b in buffers)
 
-    @staticmethod
-    def encode_reply(value: Any) -> tuple[bytes, list[Any]]:
-        return dumps(value, "result")
-
     # -- the I/O loop -------------------------------------------------------------------------
 
     def _io_loop(self) -> None:
@@ -519,6 +516,7 @@ class Agent(MessageDispatcher):
 
     def _housekeeping(self) -> None:
         """The I/O thread's timed work: queued work, deadlines, liveness, pool growth."""
+        self.held.release_if_due(time.monotonic())
         while not self._soon.empty():
             fn, args = self._soon.get_nowait()
             fn(*args)
@@ -532,7 +530,11 @@ class Agent(MessageDispatcher):
         limit = _MAX_POLL if self._pool.idle_or_empty() else STALL_SECONDS
         if self.riders.pending:
             limit = min(limit, RIDER_DELAY)
-        to_next = self._deadlines.seconds_to_next(time.monotonic())
+        now = time.monotonic()
+        held_due = self.held.seconds_to_due(now)
+        if held_due is not None:
+            limit = min(limit, held_due)
+        to_next = self._deadlines.seconds_to_next(now)
         return limit if to_next is None else max(0.0, min(limit, to_next))
 
     # -- shutdown -------------------------------------------------------------------------------
@@ -560,6 +562,7 @@ class Agent(MessageDispatcher):
         budget = self.options.shutdown_timeout if timeout is None or timeout < 0 else timeout
         deadline = time.monotonic() + (budget if budget > 0 else 10**9)
         problems: list[str] = []
+        self.held.release()
         if isinstance(self._rendezvous, DynamicRendezvous):
             leave(self, self._rendezvous, graceful, deadline, problems)
         elif graceful:

@@ -13,22 +13,26 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
+from ..errors import RpcTimeoutError
 from ..protocol import MessageKind
-from ..serialization import PickleTarget
+from ..serialization import PickleTarget, dumps, pickling_for
 from ._futures import Future
 from ._worker_info import WorkerInfo
 
 __all__ = [
     "CallHook",
     "CallRecord",
+    "EncodedReply",
     "Failure",
     "FlowCredits",
     "Handler",
     "HandlerEntry",
     "IncomingRequest",
+    "PeerCredits",
     "PendingCall",
     "RecentEntries",
     "compose_reply_transforms",
+    "encode_reply",
     "outcome_of",
     "run_user_function",
 ]
@@ -45,6 +49,31 @@ class IncomingRequest:
 
 
 Handler = Callable[[IncomingRequest], Any]
+
+
+class EncodedReply:
+    """A handler's reply pickled by the handler itself (:func:`encode_reply`): the
+    dispatcher sends it as it is. A handler that must answer *something* even when
+    its value cannot be pickled encodes it first and falls back on failure."""
+
+    __slots__ = ("body", "buffers", "target")
+
+    def __init__(self, body: bytes, buffers: list[Any], target: PickleTarget) -> None:
+        self.body = body
+        self.buffers = buffers
+        self.target = target  # what pickling registered (RRef forks), undone if unsent
+
+
+def encode_reply(receiver_rank: int, value: Any) -> EncodedReply:
+    """Pickle ``value`` as the reply to worker ``receiver_rank``; raises what pickling
+    raises, after undoing what it registered."""
+    with pickling_for(receiver_rank) as target:
+        try:
+            body, buffers = dumps(value, "result")
+        except BaseException:
+            target.abort()
+            raise
+    return EncodedReply(body, buffers, target)
 
 
 @dataclass
@@ -153,6 +182,33 @@ class FlowCredits:
     @property
     def in_flight(self) -> int:
         return self.limit - self._available
+
+
+class PeerCredits:
+    """Flow control: at most ``limit`` user calls in flight to each peer.
+
+    A caller beyond the limit waits (up to its timeout) for a reply to free a slot.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._by_rank: dict[int, FlowCredits] = {}
+
+    def take(self, dest: WorkerInfo, timeout: float) -> FlowCredits:
+        """A credit for a call to ``dest`` (given back when it is answered), or
+        :class:`RpcTimeoutError` after ``timeout`` seconds (``<= 0``: waits for ever)."""
+        credits = self._by_rank.get(dest.id)
+        if credits is None:
+            credits = self._by_rank.setdefault(dest.id, FlowCredits(self.limit))
+        if not credits.take(timeout if timeout > 0 else None):
+            raise RpcTimeoutError(
+                f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) waiting to send: "
+                f"{self.limit} calls to {dest!r} are in flight"
+            )
+        return credits
+
+    def forget(self, rank: int) -> None:
+        self._by_rank.pop(rank, None)
 
 
 def compose_reply_transforms(

@@ -48,6 +48,7 @@ from ..serialization import PickleTarget, dumps, loads, pickling_for, unpickling
 from ._calls import (
     CallHook,
     CallRecord,
+    EncodedReply,
     Failure,
     HandlerEntry,
     IncomingRequest,
@@ -147,17 +148,22 @@ class MessageDispatcher:
     # -- replying -----------------------------------------------------------------------------
 
     def _reply(self, sender: int, message_id: int, value: Any) -> None:
+        encoded = value if type(value) is EncodedReply else None
         pickling = pickling_for(sender)
+        target = encoded.target if encoded is not None else pickling.target
         try:
-            with pickling:
-                body, buffers = dumps(value, "result")
-            if pickling.target.has_undo:  # before sending: REPLY_UNDECODED may come at once
-                self._replies_with_forks.remember((sender, message_id), pickling.target)
+            if encoded is not None:
+                body, buffers = encoded.body, encoded.buffers
+            else:
+                with pickling:
+                    body, buffers = dumps(value, "result")
+            if target.has_undo:  # before sending: REPLY_UNDECODED may come at once
+                self._replies_with_forks.remember((sender, message_id), target)
             self._send(sender, MessageKind.RESPONSE, message_id, body, buffers)
         except BaseException as exc:  # noqa: BLE001 - nothing was sent
-            if pickling.target.has_undo:  # (if it was remembered)
+            if target.has_undo:  # (if it was remembered)
                 self._replies_with_forks.take((sender, message_id))
-            pickling.target.abort()  # undo what pickling registered (RRef forks)
+            target.abort()  # undo what pickling registered (RRef forks)
             if isinstance(exc, PeerUnreachableError):
                 _log.warning("%s: cannot reply to worker %s: it is unreachable", self.name, sender)
             else:  # the error goes to the caller instead

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ..errors import ActorRpcError, ProtocolError, RendezvousError
 from ..protocol import Header, MessageKind
+from ..serialization import dumps
 from ._rendezvous import (
     GroupMember,
     connect_store,
@@ -378,4 +379,4 @@ def handle_membership(agent: Agent, identity: bytes, header: Header, frames: lis
         agent.forget_member(sender.rank)
         _log.info("%s: worker %r (rank %d) left", agent.name, sender.name, sender.rank)
         return
-    agent.send_to(sender, MessageKind.RESPONSE, header.message_id, *agent.encode_reply(None))
+    agent.send_to(sender, MessageKind.RESPONSE, header.message_id, *dumps(None, "result"))

@@ -63,6 +63,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -96,8 +97,13 @@ class InboxTurns:
         self._no_backoff_until = float("-inf")
         self.probing = False  # the I/O thread handles messages that waited during its back-off
         self._resume = threading.Event()
+        # when the I/O thread will next look at its timed work (see wake_io_by); set
+        # before it reads what it waits for, so a writer sees it or is seen
+        self._io_wakes_at = float("inf")
+        self._io_receiving = False  # it waits in Transport.receive (else on _resume or the lock)
         self.closed = False  # the agent stopped: the lock stays taken for good
         self.serving_turns = 0  # turns taken by pool threads after serving (statistics)
+        self.io_wakes = 0  # times wake_io_by woke the I/O thread early (statistics)
         self._claiming = False  # the holder is a pool thread that runs the next request
         self._claimed: tuple[Any, ...] | None = None
 
@@ -161,7 +167,11 @@ class InboxTurns:
                     agent._housekeeping()
                     # while a waiter receives, look again every back-off period: its turn
                     # may end with nobody receiving (it does not wake this thread)
-                    self._resume.wait(min(pause, agent._poll_timeout()))
+                    self._io_receiving, self._io_wakes_at = False, float("inf")
+                    wait = min(pause, agent._poll_timeout())
+                    self._io_wakes_at = now + wait
+                    self._resume.wait(wait)
+                    self._io_wakes_at = 0.0
                     self._resume.clear()
                     if self.blocked_waiters and not self.lock.locked():
                         self._handed_off_at = float("-inf")  # someone waits: take it now
@@ -177,15 +187,35 @@ class InboxTurns:
                 self.probing = probing  # set under the lock: only the holder's messages count
                 self.holder = self._io_ident
                 try:
-                    for message in receive(0.0 if self.probing else agent._poll_timeout()):
+                    self._io_receiving, self._io_wakes_at = True, float("inf")
+                    wait = 0.0 if self.probing else agent._poll_timeout()
+                    self._io_wakes_at = time.monotonic() + wait
+                    for message in receive(wait):
                         agent._on_message(message)
                 finally:
+                    self._io_receiving, self._io_wakes_at = False, 0.0
                     self.probing = False
                     self.holder = None
                     self.lock.release()
                 agent._housekeeping()
             except BaseException:  # noqa: BLE001 - the loop must survive anything
                 _log.exception("%s: error in the I/O loop", agent.name)
+
+    def wake_io_by(self, when: float, wake_receive: Callable[[], None]) -> None:
+        """Make the I/O thread run its timed work by monotonic time ``when``.
+
+        ``wake_receive`` interrupts its wait on the inbox (``Transport.wake``).
+        Nothing happens when it will look by then anyway (the common case while
+        waiting threads take turns: it looks every back-off period).
+        """
+        if self._io_wakes_at <= when:
+            return
+        self._io_wakes_at = when
+        self.io_wakes += 1
+        if self._io_receiving:
+            wake_receive()
+        else:
+            self._resume.set()
 
     # -- a pool thread that served a request -------------------------------------------------
 

@@ -31,9 +31,10 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
 
     offset size field
     0      2    magic       b"AR"
-    2      1    version     PROTOCOL_VERSION (4; 3 had no fifth EXCEPTION field and
-                            no REPLY_UNDECODED, 2 sent AUTOGRAD_CLEANUP as a
-                            request, 1 had no inline payload)
+    2      1    version     PROTOCOL_VERSION (5; 4 had no REMOTE_CALL_FETCH, 3 had
+                            no fifth EXCEPTION field and no REPLY_UNDECODED, 2
+                            sent AUTOGRAD_CLEANUP as a request, 1 had no inline
+                            payload)
     3      1    kind        a :class:`MessageKind`
     4      2    flags       bit 0: FLAG_SHARED_MEMORY, bit 2: FLAG_RIDERS
                             (see below), bit 3: FLAG_INLINE_PAYLOAD (above:
@@ -71,6 +72,9 @@ BARRIER                   12  ``(name, rank)``
 MEMBERSHIP                13  UTF-8 JSON, never pickled (dynamic groups, see below)
 SHM_RELEASE               14  ``[segment name, ...]`` the receiver is done with
 REPLY_UNDECODED           15  ``(message id, fork ids)`` caller -> callee, see below
+REMOTE_CALL_FETCH         16  as REMOTE_CALL; the creator fetches the value too: the
+                              RESPONSE carries the value (as a RREF_FETCH reply would)
+                              instead of None
 ========================  ==  ============================================================
 
 ``undecoded`` is None, unless the request could not be unpickled (or was
@@ -164,7 +168,7 @@ __all__ = [
 ]
 
 MAGIC = b"AR"
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535
@@ -193,6 +197,7 @@ class MessageKind(enum.IntEnum):
     MEMBERSHIP = 13
     SHM_RELEASE = 14
     REPLY_UNDECODED = 15
+    REMOTE_CALL_FETCH = 16
 
 
 RESPONSE_KINDS = frozenset({MessageKind.RESPONSE, MessageKind.EXCEPTION})

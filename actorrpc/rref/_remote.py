@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-from ..agent import Agent, IncomingRequest, current_agent, register_agent_plugin, run_user_function
+from ..agent import (
+    Agent,
+    IncomingRequest,
+    current_agent,
+    encode_reply,
+    register_agent_plugin,
+    run_user_function,
+)
 from ..agent._remote_exception import pack_exception
 from ..errors import ProtocolError, RpcTimeoutError, ShutdownError
 from ..protocol import MessageKind
@@ -83,8 +90,9 @@ def remote(
     rref = RRef._make_user(agent, dest, rref_id, fork_id)
     ctx.add_pending_user(rref)  # held until REMOTE_RET confirms it (no early delete)
     try:
+        # held back a moment: a to_here() right after goes with it (agent/_held.py)
         future = agent.call(dest, func, args, kwargs, timeout, MessageKind.REMOTE_CALL,
-                            (rref_id, fork_id))
+                            (rref_id, fork_id), hold=agent.held.may_hold())
     except BaseException:
         ctx.forget_pending_user(fork_id)  # never sent: the owner must not hear of it
         raise
@@ -99,6 +107,8 @@ def remote(
         ctx.confirm_user(fork_id)
 
     future.add_done_callback(created)
+    # last: the request leaves at this thread's next call, unless that is rref.to_here()
+    agent.held.release_on_next_call(future, RRef.to_here.__code__)
     return rref
 
 
@@ -155,7 +165,7 @@ def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
                 state.set_error(failure)
             _release_self_owner(ctx, rref_id, fork_id)
             if failure is None:
-                reply.set_result(None)
+                reply.set_result(_created_reply(agent, request, state))
             else:  # a copy: ``reply`` must not hold the exception the state holds
                 reply.set_exception(copy_exception(failure))
 
@@ -164,10 +174,21 @@ def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
     if error is None:
         state.set_value(value)
         _release_self_owner(ctx, rref_id, fork_id)
-        return None
+        return _created_reply(agent, request, state)
     state.set_error(error)
     _release_self_owner(ctx, rref_id, fork_id)
     raise copy_exception(error, keep_traceback=True)
+
+
+def _created_reply(agent: Agent, request: IncomingRequest, state: OwnerState) -> Any:
+    """The answer to a creation that succeeded: None, or for REMOTE_CALL_FETCH the value
+    (served as a fetch that arrived before the value existed would be, right now)."""
+    if request.kind != MessageKind.REMOTE_CALL_FETCH:
+        return None
+    try:  # encoded here: a value that cannot be pickled fails the fetch, not the creation
+        return encode_reply(request.sender.id, _serve_value(agent, request, {}, state))
+    except BaseException as exc:  # noqa: BLE001 - the creator's to_here() raises it
+        return FetchFailure(pack_exception(exc, repr(agent.info)))
 
 
 def _run_creation(
@@ -460,6 +481,9 @@ def _install(agent: Agent) -> None:
     ctx = RRefContext(agent.rank, send_control)
     agent.extensions["rref"] = ctx
     agent.register_handler(MessageKind.REMOTE_CALL, lambda r: _handle_remote_call(agent, r))
+    agent.register_handler(
+        MessageKind.REMOTE_CALL_FETCH, lambda r: _handle_remote_call(agent, r)
+    )
     agent.register_handler(MessageKind.RREF_FETCH, lambda r: _handle_fetch(agent, r), inline=True)
     agent.register_handler(
         MessageKind.RREF_FORK_REQUEST, lambda r: _handle_fork_request(agent, r), inline=True

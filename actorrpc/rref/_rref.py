@@ -223,11 +223,15 @@ class RRef(Generic[T]):
         if self._creation_error is not None:
             raise copy_exception(self._creation_error)
         record, on_result = agent.prepare_call(self._owner, (), {})
+        creation = self._creation_future
+        if creation is not None and not record.meta and on_result is None:
+            fetched = _fetch_with_creation(self, creation, effective)
+            if fetched is not _NOT_HELD:
+                return fetched  # type: ignore[no-any-return]
         future = agent.send_request(  # the owner bounds its wait by the same timeout
             self._owner, MessageKind.RREF_FETCH, (self._rref_id, record.meta, effective),
             timeout, description=f"to_here() of {self}", on_result=on_result,
         )
-        creation = self._creation_future
         if creation is not None and not creation.done():
             _fail_if_creation_fails(future, creation, self)
         value = wait_result(future)
@@ -346,6 +350,32 @@ class RRef(Generic[T]):
                     ctx.user_deleted(self)
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
+
+
+_NOT_HELD = object()
+
+
+def _fetch_with_creation(rref: RRef[Any], creation: Future[Any], timeout: float) -> Any:
+    """The value, when ``remote()``'s request is still held (agent/_held.py): it goes
+    now as REMOTE_CALL_FETCH, whose answer carries the value; else ``_NOT_HELD``.
+
+    Only for a to_here() with the timeout ``remote()`` had (the merged request has
+    one deadline) and no call hook involved (the caller checked).
+    """
+    fetched: list[Any] = []
+
+    def keep_value(value: Any) -> None:  # the creation future itself completes with None
+        fetched.append(value)
+
+    if not rref._agent.held.send_as(creation, MessageKind.REMOTE_CALL_FETCH, keep_value, timeout):
+        return _NOT_HELD
+    _, error = settle(creation)
+    if error is not None:  # remote()'s callback recorded what the creation failure means
+        raise copy_exception(rref._creation_error or error)
+    value = fetched[0]
+    if isinstance(value, FetchFailure):  # the value exists but could not be sent
+        raise rebuild_exception(value.info)
+    return value
 
 
 def _fail_if_creation_fails(

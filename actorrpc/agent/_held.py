@@ -1,0 +1,175 @@
+"""A request held back for a moment, so that the next one can go with it.
+
+``remote()`` returns at once and ``to_here()`` usually follows right away. Sent
+as they come, that pair is four messages: REMOTE_CALL, its answer, RREF_FETCH,
+the value. So ``remote()`` encodes its REMOTE_CALL (pickling errors are still
+raised by ``remote()``, and the arguments are captured when it is called) and
+*holds* it here; a ``to_here()`` that finds it still held sends it as
+``REMOTE_CALL_FETCH``, whose answer carries the value: two messages, and the
+owner serves the value the moment it is created, as it would serve a fetch
+that arrived before the value existed.
+
+The request is held only until the thread that made it does anything else: a
+per-thread profile hook (``sys.setprofile``, installed by
+:meth:`HeldRequests.release_on_next_call` as the last step of ``remote()``) sends
+it at that thread's next function call, unless that call is the one that
+merges it (``to_here()``). So a ``remote()`` followed by local computation
+starts the remote work as soon as before; only pure bytecode with no call at
+all leaves it to the I/O thread (which needs the GIL for it).
+
+Invariants:
+
+* At most one request is held per worker: holding another sends the first.
+* A held request leaves before its thread's next function call (bar the merging
+  one), before any other message this worker sends (so the order of messages on
+  a link is the order of the calls that made them), before any thread blocks on
+  a future, when the worker shuts down, and at the latest :data:`HOLD_SECONDS`
+  after it was held (the I/O thread sends it).
+* A request is held only when no profiler is installed on the thread (the hook
+  would replace it).
+* Its pending entry, deadline and flow credit exist from the moment it is held:
+  its timeout counts from the call that made it.
+* A held request that cannot be sent fails its future with the error and undoes
+  what pickling it registered (RRef forks), as a failed send does.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import TYPE_CHECKING, Any
+
+from ..protocol import MessageKind
+from ..serialization import PickleTarget
+from ._futures import complete
+
+if TYPE_CHECKING:
+    from ._agent import Agent
+
+__all__ = ["HOLD_SECONDS", "HeldRequest", "HeldRequests"]
+
+HOLD_SECONDS = 0.005
+"""Most seconds a request is held before the I/O thread sends it (only code that
+makes no call at all waits for that: it holds the GIL about as long, Python's
+switch interval)."""
+
+
+class HeldRequest:
+    """An encoded request waiting to be sent (see the module docstring)."""
+
+    __slots__ = ("body", "buffers", "dest_rank", "future", "kind", "message_id", "undo")
+
+    def __init__(self, dest_rank: int, kind: MessageKind, message_id: int, body: bytes,
+                 buffers: list[Any], undo: PickleTarget | None, future: Any) -> None:
+        self.dest_rank = dest_rank
+        self.kind = kind
+        self.message_id = message_id
+        self.body = body
+        self.buffers = buffers
+        self.undo = undo
+        self.future = future
+
+
+class HeldRequests:
+    """The one request held back on a worker, and the rules for letting it go."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        self._lock = threading.Lock()
+        self._held: HeldRequest | None = None
+        self._due = 0.0
+        self.merged = 0  # held requests sent as merged with the next one (statistics)
+        self.released = 0  # held requests sent as they were (statistics)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a request is held (read without the lock: a hint)."""
+        return self._held is not None
+
+    @staticmethod
+    def may_hold() -> bool:
+        """Whether this thread may hold a request (no profiler is installed on it)."""
+        return sys.getprofile() is None
+
+    def hold(self, request: HeldRequest) -> None:
+        """Hold ``request``, sending the one held before (if any) first."""
+        if self._held is not None:
+            self.release()
+        due = time.monotonic() + HOLD_SECONDS
+        with self._lock:
+            previous, self._held, self._due = self._held, request, due
+        if previous is not None:  # another thread held one meanwhile: it goes first
+            self._send(previous)
+        agent = self._agent
+        agent.inbox.wake_io_by(due, agent._transport.wake)
+
+    def release_on_next_call(self, future: Any, merging: CodeType) -> None:
+        """Send ``future``'s held request at this thread's next function call, unless
+        that call runs ``merging`` (which takes it); the caller's last step."""
+        if self._held is None or self._held.future is not future:
+            return
+
+        def on_event(frame: FrameType, event: str, _: Any) -> None:
+            if event in ("return", "c_return"):  # frames finishing: the caller's, its callers'
+                return
+            sys.setprofile(None)
+            if event == "call" and frame.f_code is merging:
+                return
+            self.release(future)
+
+        sys.setprofile(on_event)
+
+    def send_as(self, future: Any, kind: MessageKind, on_result: Callable[[Any], Any],
+                timeout: float) -> bool:
+        """Send ``future``'s held request as ``kind``, its reply going through
+        ``on_result`` first. False, and nothing done, unless it is still held and was
+        made with the same effective ``timeout`` (a merged request has one deadline)."""
+        pending = self._agent._pending
+        with self._lock:
+            held = self._held
+            call = pending.get(held.message_id) if held is not None else None
+            if held is None or held.future is not future or call is None or (
+                call.timeout != timeout
+            ):
+                return False
+            self._held = None
+        self.merged += 1
+        call.kind, call.on_result, held.kind = kind, on_result, kind
+        self._send(held)
+        return True
+
+    def release(self, future: Any = None) -> None:
+        """Send the held request now (only if it is ``future``'s, when given)."""
+        with self._lock:
+            held = self._held
+            if held is None or (future is not None and held.future is not future):
+                return
+            self._held = None
+        self.released += 1
+        self._send(held)
+
+    def release_if_due(self, now: float) -> None:
+        if self._held is not None and now >= self._due:
+            self.release()
+
+    def seconds_to_due(self, now: float) -> float | None:
+        """Seconds until the held request must leave (None: nothing is held)."""
+        return None if self._held is None else max(0.0, self._due - now)
+
+    def _send(self, held: HeldRequest) -> None:
+        agent = self._agent
+        try:
+            agent._send(held.dest_rank, held.kind, held.message_id, held.body, held.buffers)
+        except BaseException as exc:  # noqa: BLE001 - the call that made it returned long ago
+            pending = agent._take_pending(held.message_id)
+            if agent.tracer.enabled:
+                agent.tracer.call_unsent(held.message_id)
+            if held.undo is not None:
+                held.undo.abort()
+            if pending is not None:
+                complete(pending.future, error=exc)
+            return
+        agent.stats.calls_sent[held.dest_rank] += 1
