@@ -7,9 +7,12 @@ Two spawned actorrpc workers; rank 0 makes ``--n`` calls of one kind to rank 1
 (after a warm-up) and prints the latency (median, p90, p99) and, for every
 thread of both processes that used CPU, its CPU time per call (from
 ``/proc/self/task/*/stat``: user + system, 10 ms ticks, so use a few thousand
-calls). ``ZMQbg/IO`` threads are libzmq's own; ``python`` ones are the caller's
-main thread, the I/O thread and pool threads. ``--pin`` pins rank r to CPU r,
-as ``bench_rpc.py --pin split`` does. ``autograd`` is bench_rpc's iteration (a
+calls) and its voluntary + involuntary context switches per call (from
+``/proc/self/task/*/status``). ``ZMQbg/IO`` threads are libzmq's own; the others
+carry their Python names (``MainThread``, ``actorrpc-io-<worker>``, pool threads
+``actorrpc-<worker>-<n>``). ``--pin`` pins rank r to CPU r, as ``bench_rpc.py
+--pin split`` does. ``async`` pipelines in windows of 500 calls in flight, as
+bench_rpc does. ``autograd`` is bench_rpc's iteration (a
 context, an RPC'd ``torch.add`` of two 64x64 tensors, backward, get_gradients);
 ``--profile`` also prints the caller's main thread's costliest functions (cProfile).
 A waiting thread's busy polling counts as CPU: ``ACTORRPC_BUSY_POLL=0 python
