@@ -4,6 +4,7 @@ and what a held request that cannot be sent does to its call."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -54,7 +55,8 @@ def _held(agent: _StubAgent, message_id: int, rank: int = 1, timeout: float = 60
           undo: Any = None) -> HeldRequest:
     future = _Future()
     agent._pending[message_id] = SimpleNamespace(
-        timeout=timeout, kind=MessageKind.REMOTE_CALL, on_result=None, future=future
+        timeout=timeout, kind=MessageKind.REMOTE_CALL, on_result=None, future=future,
+        description="remote()", on_undecodable=None,
     )
     return HeldRequest(rank, MessageKind.REMOTE_CALL, message_id, b"body", [], undo, future)
 
@@ -91,15 +93,18 @@ def test_send_as_merges_only_the_same_future_with_the_same_timeout() -> None:
     request = _held(agent, 7, timeout=60.0)
     held.hold(request)
     on_result = lambda value: None  # noqa: E731
-    assert not held.send_as(_Future(), MessageKind.REMOTE_CALL_FETCH, on_result, 60.0)
-    assert not held.send_as(request.future, MessageKind.REMOTE_CALL_FETCH, on_result, 5.0)
+    on_error = lambda error: None  # noqa: E731
+    fetch = MessageKind.REMOTE_CALL_FETCH
+    assert not held.send_as(_Future(), fetch, on_result, on_error, 60.0)
+    assert not held.send_as(request.future, fetch, on_result, on_error, 5.0)
     assert agent.sent == [] and held.pending
-    assert held.send_as(request.future, MessageKind.REMOTE_CALL_FETCH, on_result, 60.0)
-    assert agent.sent == [(1, MessageKind.REMOTE_CALL_FETCH, 7)]
+    assert held.send_as(request.future, fetch, on_result, on_error, 60.0)
+    assert agent.sent == [(1, fetch, 7)]
     pending = agent._pending[7]
-    assert pending.kind == MessageKind.REMOTE_CALL_FETCH and pending.on_result is on_result
+    assert pending.kind == fetch and pending.on_result is on_result
+    assert pending.on_undecodable is on_error
     assert held.merged == 1 and held.released == 0
-    assert not held.send_as(request.future, MessageKind.REMOTE_CALL_FETCH, on_result, 60.0)
+    assert not held.send_as(request.future, fetch, on_result, on_error, 60.0)
 
 
 def test_release_of_a_given_future_leaves_another_held() -> None:
@@ -155,14 +160,110 @@ def test_the_next_call_of_the_holding_thread_sends_it_unless_it_merges() -> None
     assert agent.sent[-1] == (1, MessageKind.REMOTE_CALL, 6)
 
 
-def test_may_hold_is_false_under_a_profiler() -> None:
-    assert HeldRequests.may_hold()
+def test_may_hold_is_false_under_a_profiler_or_when_turned_off() -> None:
+    held = HeldRequests(_StubAgent())  # type: ignore[arg-type]
+    assert held.may_hold() is (sys.version_info < (3, 12))
     sys.setprofile(lambda *_: None)
     try:
-        answer = HeldRequests.may_hold()
+        answer = held.may_hold()
     finally:
         sys.setprofile(None)
     assert answer is False
+    assert HeldRequests(_StubAgent(), enabled=False).may_hold() is False  # type: ignore[arg-type]
+
+
+def test_the_option_turns_holding_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    import actorrpc as rpc
+
+    assert rpc.ZmqRpcBackendOptions().hold_remote_calls is True
+    monkeypatch.setenv("ACTORRPC_HOLD_REMOTE_CALLS", "0")
+    assert rpc.ZmqRpcBackendOptions().hold_remote_calls is False
+
+
+def test_a_request_that_expired_while_held_is_never_sent() -> None:
+    agent = _StubAgent()
+    held = HeldRequests(agent)  # type: ignore[arg-type]
+    undo = _Undo()
+    held.hold(_held(agent, 8, undo=undo))
+    del agent._pending[8]  # its deadline passed (the deadline code failed its future)
+    held.release()
+    assert agent.sent == [] and undo.aborted == 1 and not held.pending
+
+
+def test_a_request_held_when_the_worker_closes_is_discarded() -> None:
+    agent = _StubAgent()
+    held = HeldRequests(agent)  # type: ignore[arg-type]
+    undo = _Undo()
+    held.hold(_held(agent, 9, undo=undo))
+    held.discard()
+    held.release()
+    assert agent.sent == [] and undo.aborted == 1 and not held.pending
+
+
+def test_ctrl_c_while_sending_fails_the_call_and_is_raised_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    agent = _StubAgent(fail_with=KeyboardInterrupt())
+    held = HeldRequests(agent)  # type: ignore[arg-type]
+    undo = _Undo()
+    request = _held(agent, 10, undo=undo)
+    held.hold(request)
+    completed: list[tuple[Any, BaseException | None]] = []
+    monkeypatch.setattr(
+        "actorrpc.agent._held.complete",
+        lambda future, value=None, error=None: completed.append((future, error)),
+    )
+    with pytest.raises(KeyboardInterrupt):
+        held.release()
+    [(future, error)] = completed
+    assert future is request.future and "interrupted before it was sent" in str(error)
+    assert undo.aborted == 1 and not held.pending
+
+
+def test_a_send_in_progress_keeps_it_pending_and_other_threads_wait_for_it() -> None:
+    entered, proceed = threading.Event(), threading.Event()
+    agent = _StubAgent()
+    original = agent._send
+    order: list[str] = []
+
+    def slow_send(*args: Any) -> None:
+        entered.set()
+        assert proceed.wait(10)
+        original(*args)
+        order.append("sent")
+
+    agent._send = slow_send  # type: ignore[method-assign]
+    held = HeldRequests(agent)  # type: ignore[arg-type]
+    waiting = threading.Event()
+
+    class SpyLock:
+        """The held table's lock, noting when a second thread starts to wait for it."""
+
+        def __init__(self, lock: Any) -> None:
+            self._lock = lock
+
+        def __enter__(self) -> None:
+            if threading.current_thread() is not sender:
+                waiting.set()
+            self._lock.acquire()
+
+        def __exit__(self, *_: Any) -> None:
+            self._lock.release()
+
+    held.hold(_held(agent, 11))
+    held._sending = SpyLock(held._sending)  # type: ignore[assignment]
+    sender = threading.Thread(target=held.release)
+    sender.start()
+    assert entered.wait(10)
+    assert held.pending  # taken out, not yet on its link: a send must wait for it
+    other = threading.Thread(target=lambda: (held.release(), order.append("other went on")))
+    other.start()
+    assert waiting.wait(10)
+    proceed.set()
+    sender.join(10)
+    other.join(10)
+    assert order == ["sent", "other went on"]
+    assert agent.sent == [(1, MessageKind.REMOTE_CALL, 11)] and not held.pending
 
 
 @pytest.fixture(autouse=True)

@@ -42,6 +42,22 @@ class NotPicklable:
         return 42
 
 
+def _refuse_on_worker0() -> Any:
+    if rpc.get_worker_info().name == "worker0":
+        raise RuntimeError("this value cannot be rebuilt on worker0")
+    return UnpicklableOnWorker0()
+
+
+class UnpicklableOnWorker0:
+    """Pickles everywhere; unpickling it fails on worker0 only."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse_on_worker0, ())
+
+    def answer(self) -> int:
+        return 7
+
+
 @rpc.functions.async_execution
 def add_later(a: Any, b: Any) -> torch.futures.Future[Any]:
     return rpc.rpc_async("worker2", add, args=(a, b))
@@ -166,3 +182,21 @@ def test_remote_inside_a_dist_autograd_context_is_not_held() -> None:
         held = agent.held._held is not None
         assert rref.to_here().tolist() == [2.0, 2.0]
     assert not held and agent.held.merged == merged
+
+
+@pytest.mark.timeout(60)
+def test_merged_value_the_creator_cannot_unpickle_fails_the_fetch_not_the_rref() -> None:
+    agent = current_agent()
+    merged = agent.held.merged
+    rref = rpc.remote("worker1", UnpicklableOnWorker0)
+    try:
+        rref.to_here()
+    except Exception as exc:  # noqa: BLE001 - checked below
+        error: BaseException | None = exc
+    else:
+        error = None
+    assert isinstance(error, rpc.DeserializationError), error
+    assert "cannot be rebuilt on worker0" in str(error)
+    assert agent.held.merged == merged + 1
+    assert rref._creation_error is None and rref._get_future().wait() is None
+    assert rref.rpc_sync().answer() == 7  # the value lives on its owner

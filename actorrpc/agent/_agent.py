@@ -169,7 +169,7 @@ class Agent(MessageDispatcher):
         self.extensions: dict[str, Any] = {}
         self.inbox = InboxTurns()
         self.riders = Riders(self)
-        self.held = HeldRequests(self)
+        self.held = HeldRequests(self, options.hold_remote_calls)
         self._soon: queue.SimpleQueue[tuple[Callable[..., Any], Any]] = queue.SimpleQueue()
         self.stats = WorkerStats()
         self.tracer = Tracer(rank, name)
@@ -597,6 +597,7 @@ class Agent(MessageDispatcher):
 
     def _close(self, graceful: bool) -> None:
         self._stop_threads()
+        self.held.discard()  # (one held after shutdown() sent the last: its call fails below)
         error = ActorRpcError(f"RPC agent {self.name!r} shut down before the call completed")
         for message_id in list(self._pending):
             self._fail_pending(message_id, error)

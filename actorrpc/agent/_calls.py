@@ -112,7 +112,8 @@ class PendingCall:
     """A request sent and not yet answered (one per message id)."""
 
     __slots__ = (
-        "credits", "description", "dest", "future", "kind", "on_result", "timeout", "undo",
+        "credits", "description", "dest", "future", "kind", "on_result", "on_undecodable",
+        "timeout", "undo",
     )
 
     def __init__(
@@ -135,6 +136,9 @@ class PendingCall:
         self.description = description
         self.timeout = timeout
         self.on_result = on_result
+        # a RESPONSE that cannot be unpickled: its error through this completes the future
+        # normally (None: the future fails with it)
+        self.on_undecodable: Callable[[BaseException], Any] | None = None
         self.credits = credits  # the flow-control credits to give one back to when it ends
 
 

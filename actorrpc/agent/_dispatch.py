@@ -75,14 +75,18 @@ _log = logging.getLogger("actorrpc.agent")
 _WARN_INTERVAL = 5.0
 # replies a user may wait for (control replies, such as remote()'s creation ack or a
 # cleanup's, arrive after what is waited for and must not keep the I/O thread on the inbox)
-_AWAITED_KINDS = frozenset(
-    {MessageKind.CALL, MessageKind.RREF_FETCH, MessageKind.AUTOGRAD_BACKWARD}
+_AWAITED_KINDS = frozenset({
+    MessageKind.CALL, MessageKind.RREF_FETCH, MessageKind.REMOTE_CALL_FETCH,
+    MessageKind.AUTOGRAD_BACKWARD,
+})
+_CALL_KINDS = frozenset(
+    {MessageKind.CALL, MessageKind.REMOTE_CALL, MessageKind.REMOTE_CALL_FETCH}
 )
 
 
 def _request_name(kind: MessageKind, payload: Any) -> str:
     """A served request in words: its function's name for a call, else its kind."""
-    if kind in (MessageKind.CALL, MessageKind.REMOTE_CALL) and isinstance(payload, tuple):
+    if kind in _CALL_KINDS and isinstance(payload, tuple):
         return getattr(payload[0], "__qualname__", None) or repr(payload[0])
     return kind.name
 
@@ -469,12 +473,13 @@ class MessageDispatcher:
         try:
             value = self._unpickle_reply(kind, sender, message_id, parts)
         except DeserializationError as exc:
-            complete(
-                pending.future,
-                error=DeserializationError(
-                    f"the reply to {pending.description or 'a call'} from {pending.dest!r}: {exc}"
-                ),
+            error = DeserializationError(
+                f"the reply to {pending.description or 'a call'} from {pending.dest!r}: {exc}"
             )
+            if pending.on_undecodable is not None and kind == MessageKind.RESPONSE:
+                complete(pending.future, pending.on_undecodable(error))
+            else:
+                complete(pending.future, error=error)
             return
         if kind == MessageKind.EXCEPTION:
             complete(pending.future, error=self._error_of_reply(value, pending.undo))

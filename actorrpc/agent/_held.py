@@ -21,16 +21,22 @@ Invariants:
 
 * At most one request is held per worker: holding another sends the first.
 * A held request leaves before its thread's next function call (bar the merging
-  one), before any other message this worker sends (so the order of messages on
-  a link is the order of the calls that made them), before any thread blocks on
+  one), before any other message this worker sends, before any thread blocks on
   a future, when the worker shuts down, and at the latest :data:`HOLD_SECONDS`
   after it was held (the I/O thread sends it).
-* A request is held only when no profiler is installed on the thread (the hook
-  would replace it).
+* It counts as pending until it is on its link: a thread about to send anything
+  waits for a held request another thread is sending (``_sending``), so the
+  order of messages on a link is the order of the calls that made them.
+* A request is held only when holding is on (``hold_remote_calls``; off from
+  Python 3.12, where switching the hook re-instruments the interpreter) and no
+  profiler is installed on the thread (the hook would replace it).
 * Its pending entry, deadline and flow credit exist from the moment it is held:
-  its timeout counts from the call that made it.
+  its timeout counts from the call that made it, and one whose deadline passed
+  while held is never sent.
 * A held request that cannot be sent fails its future with the error and undoes
-  what pickling it registered (RRef forks), as a failed send does.
+  what pickling it registered (RRef forks), as a failed send does; one still held
+  when the worker closes is dropped the same way. A Ctrl-C while sending it fails
+  its future ("interrupted before it was sent") and is raised again.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ActorRpcError
 from ..protocol import MessageKind
 from ..serialization import PickleTarget
 from ._futures import complete
@@ -74,42 +81,49 @@ class HeldRequest:
 
 
 class HeldRequests:
-    """The one request held back on a worker, and the rules for letting it go."""
+    """The one request held back on a worker, and the rules for letting it go.
 
-    def __init__(self, agent: Agent) -> None:
+    ``_sending`` (re-entrant) is held from taking a request out until it is on its
+    link, and :attr:`pending` stays true meanwhile: a thread that sends anything
+    first waits for a held request another thread is sending (``Agent._send``).
+    """
+
+    def __init__(self, agent: Agent, enabled: bool = True) -> None:
         self._agent = agent
-        self._lock = threading.Lock()
+        # the hook costs more from Python 3.12 on (it re-instruments the interpreter)
+        self.enabled = enabled and sys.version_info < (3, 12)
+        self._sending = threading.RLock()
         self._held: HeldRequest | None = None
+        self._in_flight: HeldRequest | None = None
         self._due = 0.0
         self.merged = 0  # held requests sent as merged with the next one (statistics)
         self.released = 0  # held requests sent as they were (statistics)
 
     @property
     def pending(self) -> bool:
-        """Whether a request is held (read without the lock: a hint)."""
-        return self._held is not None
+        """Whether a request is held or being sent (read without the lock: a hint)."""
+        return self._held is not None or self._in_flight is not None
 
-    @staticmethod
-    def may_hold() -> bool:
-        """Whether this thread may hold a request (no profiler is installed on it)."""
-        return sys.getprofile() is None
+    def may_hold(self) -> bool:
+        """Whether this thread may hold a request: holding is on and no profiler is
+        installed on the thread (the hook would replace it)."""
+        return self.enabled and sys.getprofile() is None
 
     def hold(self, request: HeldRequest) -> None:
         """Hold ``request``, sending the one held before (if any) first."""
-        if self._held is not None:
-            self.release()
         due = time.monotonic() + HOLD_SECONDS
-        with self._lock:
-            previous, self._held, self._due = self._held, request, due
-        if previous is not None:  # another thread held one meanwhile: it goes first
-            self._send(previous)
+        with self._sending:
+            if self._held is not None:
+                self._send(self._held)
+            self._held, self._due = request, due
         agent = self._agent
         agent.inbox.wake_io_by(due, agent._transport.wake)
 
     def release_on_next_call(self, future: Any, merging: CodeType) -> None:
         """Send ``future``'s held request at this thread's next function call, unless
         that call runs ``merging`` (which takes it); the caller's last step."""
-        if self._held is None or self._held.future is not future:
+        held = self._held
+        if held is None or held.future is not future:
             return
 
         def on_event(frame: FrameType, event: str, _: Any) -> None:
@@ -123,33 +137,34 @@ class HeldRequests:
         sys.setprofile(on_event)
 
     def send_as(self, future: Any, kind: MessageKind, on_result: Callable[[Any], Any],
-                timeout: float) -> bool:
+                on_undecodable: Callable[[BaseException], Any], timeout: float) -> bool:
         """Send ``future``'s held request as ``kind``, its reply going through
-        ``on_result`` first. False, and nothing done, unless it is still held and was
-        made with the same effective ``timeout`` (a merged request has one deadline)."""
-        pending = self._agent._pending
-        with self._lock:
+        ``on_result`` first (a reply that cannot be unpickled through
+        ``on_undecodable``). False, and nothing done, unless it is still held and
+        was made with the same effective ``timeout`` (a merged request has one
+        deadline)."""
+        with self._sending:
             held = self._held
-            call = pending.get(held.message_id) if held is not None else None
+            call = self._agent._pending.get(held.message_id) if held is not None else None
             if held is None or held.future is not future or call is None or (
                 call.timeout != timeout
             ):
                 return False
-            self._held = None
-        self.merged += 1
-        call.kind, call.on_result, held.kind = kind, on_result, kind
-        self._send(held)
+            call.kind, call.on_result, call.on_undecodable = kind, on_result, on_undecodable
+            held.kind = kind
+            self.merged += 1
+            self._send(held)
         return True
 
     def release(self, future: Any = None) -> None:
-        """Send the held request now (only if it is ``future``'s, when given)."""
-        with self._lock:
+        """Send the held request now (only if it is ``future``'s, when given); if
+        another thread is sending it, wait until it is on its link."""
+        with self._sending:
             held = self._held
             if held is None or (future is not None and held.future is not future):
                 return
-            self._held = None
-        self.released += 1
-        self._send(held)
+            self.released += 1
+            self._send(held)
 
     def release_if_due(self, now: float) -> None:
         if self._held is not None and now >= self._due:
@@ -159,17 +174,40 @@ class HeldRequests:
         """Seconds until the held request must leave (None: nothing is held)."""
         return None if self._held is None else max(0.0, self._due - now)
 
+    def discard(self) -> None:
+        """The worker closes: a request still held is never sent (its call fails with
+        the others); undo what pickling it registered."""
+        with self._sending:
+            held, self._held = self._held, None
+        if held is not None and held.undo is not None:
+            held.undo.abort()
+
     def _send(self, held: HeldRequest) -> None:
+        """Send ``held`` (with ``_sending`` held), or settle its call if it cannot go."""
         agent = self._agent
+        self._held, self._in_flight = None, held
         try:
-            agent._send(held.dest_rank, held.kind, held.message_id, held.body, held.buffers)
+            if held.message_id not in agent._pending:  # it expired while held: never sent
+                error: BaseException | None = None
+            else:
+                agent._send(held.dest_rank, held.kind, held.message_id, held.body,
+                            held.buffers)
+                agent.stats.calls_sent[held.dest_rank] += 1
+                return
         except BaseException as exc:  # noqa: BLE001 - the call that made it returned long ago
-            pending = agent._take_pending(held.message_id)
-            if agent.tracer.enabled:
-                agent.tracer.call_unsent(held.message_id)
-            if held.undo is not None:
-                held.undo.abort()
-            if pending is not None:
-                complete(pending.future, error=exc)
-            return
-        agent.stats.calls_sent[held.dest_rank] += 1
+            error = exc
+        finally:
+            self._in_flight = None
+        pending = agent._take_pending(held.message_id)
+        if agent.tracer.enabled:
+            agent.tracer.call_unsent(held.message_id)
+        if held.undo is not None:
+            held.undo.abort()
+        if pending is not None and error is not None:
+            failure = error if isinstance(error, Exception) else ActorRpcError(
+                f"{pending.description or held.kind.name} to worker {held.dest_rank} was "
+                f"interrupted before it was sent ({type(error).__name__})"
+            )
+            complete(pending.future, error=failure)
+        if error is not None and not isinstance(error, Exception):
+            raise error  # Ctrl-C or SystemExit: to whoever happened to send it

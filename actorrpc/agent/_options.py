@@ -107,6 +107,13 @@ class ZmqRpcBackendOptions:
             go back to the default policy and retry later
             (``agent._batch_scheduling``). Default on;
             ``ACTORRPC_BATCH_SCHEDULING=0`` turns it off.
+        hold_remote_calls: ``remote()`` holds its request until the calling
+            thread's next call, so that a ``to_here()`` right after goes with it
+            (one request and its answer instead of four messages; see
+            ``agent/_held.py``). It uses a per-thread ``sys.setprofile`` hook
+            for an instant: turn it off (``ACTORRPC_HOLD_REMOTE_CALLS=0``) under a
+            C-level profiler that ``sys.getprofile()`` cannot see (yappi). Default
+            on up to Python 3.11; always off from 3.12 on.
         device_maps, devices: accepted for torch compatibility; CPU only.
 
     Example::
@@ -137,6 +144,9 @@ class ZmqRpcBackendOptions:
     )
     batch_scheduling: bool = field(
         default_factory=lambda: bool(_from_environment("ACTORRPC_BATCH_SCHEDULING", 1, int))
+    )
+    hold_remote_calls: bool = field(
+        default_factory=lambda: bool(_from_environment("ACTORRPC_HOLD_REMOTE_CALLS", 1, int))
     )
     device_maps: dict[str, Any] = field(default_factory=dict)
     devices: list[Any] = field(default_factory=list)

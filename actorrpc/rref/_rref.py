@@ -367,7 +367,11 @@ def _fetch_with_creation(rref: RRef[Any], creation: Future[Any], timeout: float)
     def keep_value(value: Any) -> None:  # the creation future itself completes with None
         fetched.append(value)
 
-    if not rref._agent.held.send_as(creation, MessageKind.REMOTE_CALL_FETCH, keep_value, timeout):
+    def keep_error(error: BaseException) -> None:  # created, but not unpicklable here
+        fetched.append(_Undecodable(error))
+
+    held = rref._agent.held
+    if not held.send_as(creation, MessageKind.REMOTE_CALL_FETCH, keep_value, keep_error, timeout):
         return _NOT_HELD
     _, error = settle(creation)
     if error is not None:  # remote()'s callback recorded what the creation failure means
@@ -375,7 +379,18 @@ def _fetch_with_creation(rref: RRef[Any], creation: Future[Any], timeout: float)
     value = fetched[0]
     if isinstance(value, FetchFailure):  # the value exists but could not be sent
         raise rebuild_exception(value.info)
+    if isinstance(value, _Undecodable):
+        raise copy_exception(value.error)
     return value
+
+
+class _Undecodable:
+    """A merged fetch's value that this worker could not unpickle (the RRef is fine)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 def _fail_if_creation_fails(
