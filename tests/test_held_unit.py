@@ -118,20 +118,29 @@ def test_release_of_a_given_future_leaves_another_held() -> None:
     assert not held.pending and agent.sent == [(1, MessageKind.REMOTE_CALL, 3)]
 
 
-def test_a_held_request_that_cannot_be_sent_fails_its_call_and_undoes_its_forks(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    error = PeerUnreachableError("worker 1 is gone")
+def _held_that_fails(
+    monkeypatch: pytest.MonkeyPatch, error: BaseException, message_id: int
+) -> tuple[_StubAgent, HeldRequests, HeldRequest, _Undo, list[Any]]:
+    """A request held on a stub agent whose sends raise ``error``; the futures it
+    completes are recorded as ``(future, error)`` in the returned list."""
     agent = _StubAgent(fail_with=error)
     held = HeldRequests(agent)  # type: ignore[arg-type]
     undo = _Undo()
-    request = _held(agent, 4, undo=undo)
+    request = _held(agent, message_id, undo=undo)
     held.hold(request)
     completed: list[tuple[Any, BaseException | None]] = []
     monkeypatch.setattr(
         "actorrpc.agent._held.complete",
         lambda future, value=None, error=None: completed.append((future, error)),
     )
+    return agent, held, request, undo, completed
+
+
+def test_a_held_request_that_cannot_be_sent_fails_its_call_and_undoes_its_forks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    error = PeerUnreachableError("worker 1 is gone")
+    agent, held, request, undo, completed = _held_that_fails(monkeypatch, error, 4)
     held.release()  # raises nothing: the call that made it returned long ago
     assert completed == [(request.future, error)]
     assert undo.aborted == 1 and 4 not in agent._pending
@@ -203,16 +212,7 @@ def test_a_request_held_when_the_worker_closes_is_discarded() -> None:
 def test_ctrl_c_while_sending_fails_the_call_and_is_raised_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    agent = _StubAgent(fail_with=KeyboardInterrupt())
-    held = HeldRequests(agent)  # type: ignore[arg-type]
-    undo = _Undo()
-    request = _held(agent, 10, undo=undo)
-    held.hold(request)
-    completed: list[tuple[Any, BaseException | None]] = []
-    monkeypatch.setattr(
-        "actorrpc.agent._held.complete",
-        lambda future, value=None, error=None: completed.append((future, error)),
-    )
+    _, held, request, undo, completed = _held_that_fails(monkeypatch, KeyboardInterrupt(), 10)
     with pytest.raises(KeyboardInterrupt):
         held.release()
     [(future, error)] = completed

@@ -129,36 +129,34 @@ def test_to_here_with_its_own_timeout_fetches_separately() -> None:
     assert _sent_to(1) == sent + 2  # REMOTE_CALL, then RREF_FETCH
 
 
-@pytest.mark.timeout(60)
-def test_merged_creation_error_is_raised_by_to_here() -> None:
+def _merged_failure(func: Any, *args: Any) -> tuple[Any, BaseException | None]:
+    """``remote(worker1, func, args)`` then ``to_here()`` at once (merged: nothing else is
+    called in between, pytest.raises included): the RRef and what to_here() raised."""
     agent = current_agent()
     merged = agent.held.merged
-    rref = rpc.remote("worker1", fail, args=("creation failed here",))
-    try:  # (no call between remote() and to_here(): pytest.raises would be one)
+    rref = rpc.remote("worker1", func, args=args)
+    try:
         rref.to_here()
-    except ValueError as exc:
+    except Exception as exc:  # noqa: BLE001 - the callers check it
         error: BaseException | None = exc
     else:
         error = None
-    assert isinstance(error, ValueError) and "creation failed here" in str(error)
     assert agent.held.merged == merged + 1
+    return rref, error
+
+
+@pytest.mark.timeout(60)
+def test_merged_creation_error_is_raised_by_to_here() -> None:
+    rref, error = _merged_failure(fail, "creation failed here")
+    assert isinstance(error, ValueError) and "creation failed here" in str(error)
     with pytest.raises(ValueError, match="creation failed here"):
         rref.to_here()
 
 
 @pytest.mark.timeout(60)
 def test_merged_value_that_cannot_be_sent_fails_the_fetch_not_the_rref() -> None:
-    agent = current_agent()
-    merged = agent.held.merged
-    rref = rpc.remote("worker1", NotPicklable)
-    try:
-        rref.to_here()
-    except Exception as exc:  # noqa: BLE001 - checked below
-        error: BaseException | None = exc
-    else:
-        error = None
+    rref, error = _merged_failure(NotPicklable)
     assert error is not None and "NotPicklable stays where it is" in str(error)
-    assert agent.held.merged == merged + 1
     assert rref._creation_error is None
     assert rref.rpc_sync().answer() == 42  # the value exists on its owner
 
@@ -186,17 +184,8 @@ def test_remote_inside_a_dist_autograd_context_is_not_held() -> None:
 
 @pytest.mark.timeout(60)
 def test_merged_value_the_creator_cannot_unpickle_fails_the_fetch_not_the_rref() -> None:
-    agent = current_agent()
-    merged = agent.held.merged
-    rref = rpc.remote("worker1", UnpicklableOnWorker0)
-    try:
-        rref.to_here()
-    except Exception as exc:  # noqa: BLE001 - checked below
-        error: BaseException | None = exc
-    else:
-        error = None
+    rref, error = _merged_failure(UnpicklableOnWorker0)
     assert isinstance(error, rpc.DeserializationError), error
     assert "cannot be rebuilt on worker0" in str(error)
-    assert agent.held.merged == merged + 1
     assert rref._creation_error is None and rref._get_future().wait() is None
     assert rref.rpc_sync().answer() == 7  # the value lives on its owner
