@@ -725,3 +725,29 @@ def test_random_programs_match_local_autograd(workers: list[str], seed: int) -> 
                 assert got is None
             else:
                 torch.testing.assert_close(got, want)
+
+
+@pytest.mark.timeout(30)
+def test_boundary_nodes_skip_the_python_apply_layer_unless_functorch_is_active(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from actorrpc.autograd import _functions
+
+    used: list[str] = []
+    fast_send, fast_recv = _functions._send_rpc_apply, _functions._recv_rpc_apply
+    monkeypatch.setattr(_functions, "_send_rpc_apply",
+                        lambda *a: used.append("send") or fast_send(*a))
+    monkeypatch.setattr(_functions, "_recv_rpc_apply",
+                        lambda *a: used.append("recv") or fast_recv(*a))
+    leaf = torch.ones(2, requires_grad=True)
+    (alias,) = _functions.make_send_aliases([leaf])
+    outputs, node = _functions.make_recv_outputs([torch.ones(2)], 1, 2, 3)
+    assert used == ["send", "recv"]
+    assert alias.grad_fn.name() == "SendRpcBackward" and node.name() == "RecvRpcBackward"
+    assert _functions.recv_tag(node) == (1, 2, 3, 1) and outputs[0].requires_grad
+    (alias * 3).sum().backward()  # the identity node passes the gradient to the leaf
+    assert leaf.grad is not None and leaf.grad.tolist() == [3.0, 3.0]
+    monkeypatch.setattr(_functions, "_functorch_active", lambda: True)
+    _functions.make_send_aliases([leaf])
+    _functions.make_recv_outputs([torch.ones(2)], 1, 2, 3)
+    assert used == ["send", "recv"]  # under a transform: torch's own Function.apply
