@@ -169,7 +169,7 @@ class InboxTurns:
                     # may end with nobody receiving (it does not wake this thread)
                     self._io_receiving, self._io_wakes_at = False, float("inf")
                     wait = min(pause, agent._poll_timeout())
-                    self._io_wakes_at = now + wait
+                    self._io_wakes_at = time.monotonic() + wait
                     self._resume.wait(wait)
                     self._io_wakes_at = 0.0
                     self._resume.clear()
