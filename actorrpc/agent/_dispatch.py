@@ -44,7 +44,7 @@ from ..protocol import (
     decode_header,
     decode_riders,
 )
-from ..serialization import PickleTarget, dumps, loads, pickling_for, unpickling_from
+from ..serialization import PickleTarget, dumps, loads, unpickling_from
 from ._calls import (
     CallHook,
     CallRecord,
@@ -54,6 +54,7 @@ from ._calls import (
     IncomingRequest,
     PendingCall,
     RecentEntries,
+    encode_reply,
     outcome_of,
     run_user_function,
 )
@@ -152,18 +153,16 @@ class MessageDispatcher:
     # -- replying -----------------------------------------------------------------------------
 
     def _reply(self, sender: int, message_id: int, value: Any) -> None:
-        encoded = value if type(value) is EncodedReply else None
-        pickling = pickling_for(sender)
-        target = encoded.target if encoded is not None else pickling.target
+        try:  # (a handler may have pickled its reply itself)
+            encoded = value if type(value) is EncodedReply else encode_reply(sender, value)
+        except BaseException as exc:  # noqa: BLE001 - its side effects are undone already
+            self._reply_exception(sender, message_id, exc)  # the error goes back instead
+            return
+        target = encoded.target
         try:
-            if encoded is not None:
-                body, buffers = encoded.body, encoded.buffers
-            else:
-                with pickling:
-                    body, buffers = dumps(value, "result")
             if target.has_undo:  # before sending: REPLY_UNDECODED may come at once
                 self._replies_with_forks.remember((sender, message_id), target)
-            self._send(sender, MessageKind.RESPONSE, message_id, body, buffers)
+            self._send(sender, MessageKind.RESPONSE, message_id, encoded.body, encoded.buffers)
         except BaseException as exc:  # noqa: BLE001 - nothing was sent
             if target.has_undo:  # (if it was remembered)
                 self._replies_with_forks.take((sender, message_id))

@@ -84,7 +84,7 @@ class HeldRequests:
     """The one request held back on a worker, and the rules for letting it go.
 
     ``_sending`` (re-entrant) is held from taking a request out until it is on its
-    link, and :attr:`pending` stays true meanwhile: a thread that sends anything
+    link, and ``pending`` stays true meanwhile: a thread that sends anything
     first waits for a held request another thread is sending (``Agent._send``).
     """
 
@@ -94,15 +94,13 @@ class HeldRequests:
         self.enabled = enabled and sys.version_info < (3, 12)
         self._sending = threading.RLock()
         self._held: HeldRequest | None = None
-        self._in_flight: HeldRequest | None = None
+        # a request is held or being sent: a plain attribute, read on every send (a hint
+        # outside the lock); set when one is held, cleared once it is on its link
+        self.pending = False
         self._due = 0.0
         self.merged = 0  # held requests sent as merged with the next one (statistics)
         self.released = 0  # held requests sent as they were (statistics)
 
-    @property
-    def pending(self) -> bool:
-        """Whether a request is held or being sent (read without the lock: a hint)."""
-        return self._held is not None or self._in_flight is not None
 
     def may_hold(self) -> bool:
         """Whether this thread may hold a request: holding is on and no profiler is
@@ -115,7 +113,7 @@ class HeldRequests:
         with self._sending:
             if self._held is not None:
                 self._send(self._held)
-            self._held, self._due = request, due
+            self._held, self._due, self.pending = request, due, True
         agent = self._agent
         agent.inbox.wake_io_by(due, agent._transport.wake)
 
@@ -178,14 +176,14 @@ class HeldRequests:
         """The worker closes: a request still held is never sent (its call fails with
         the others); undo what pickling it registered."""
         with self._sending:
-            held, self._held = self._held, None
+            held, self._held, self.pending = self._held, None, False
         if held is not None and held.undo is not None:
             held.undo.abort()
 
     def _send(self, held: HeldRequest) -> None:
         """Send ``held`` (with ``_sending`` held), or settle its call if it cannot go."""
         agent = self._agent
-        self._held, self._in_flight = None, held
+        self._held = None  # (pending stays true until it is on its link)
         try:
             if held.message_id not in agent._pending:  # it expired while held: never sent
                 error: BaseException | None = None
@@ -197,7 +195,7 @@ class HeldRequests:
         except BaseException as exc:  # noqa: BLE001 - the call that made it returned long ago
             error = exc
         finally:
-            self._in_flight = None
+            self.pending = False
         pending = agent._take_pending(held.message_id)
         if agent.tracer.enabled:
             agent.tracer.call_unsent(held.message_id)
