@@ -469,8 +469,6 @@ class Agent(MessageDispatcher):
     def _send(
         self, dest_rank: int, kind: MessageKind, message_id: int, body: bytes, buffers: list[Any]
     ) -> None:
-        if self.held.pending:  # a held request leaves before anything sent after it
-            self.held.release()
         member = self._members.get(dest_rank)
         if member is None:
             if dest_rank in self.members.departed:

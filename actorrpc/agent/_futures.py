@@ -80,8 +80,6 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
                     f"waiting on {self.description or 'a future'} from the RPC I/O thread would "
                     "deadlock; use Future.then() instead of blocking inside a callback"
                 )
-            if agent is not None and agent.held.pending:  # it may be what this waits for
-                agent.held.release()
             if agent is None or not agent.inbox.receive_until(agent, self):
                 self._wait_on_gate(agent)
         if self._error is not None:

@@ -21,12 +21,17 @@ Invariants:
 
 * At most one request is held per worker: holding another sends the first.
 * A held request leaves before its thread's next function call (bar the merging
-  one), before any other message this worker sends, before any thread blocks on
-  a future, when the worker shuts down, and at the latest :data:`HOLD_SECONDS`
-  after it was held (the I/O thread sends it).
-* It counts as pending until it is on its link: a thread about to send anything
-  waits for a held request another thread is sending (``_sending``), so the
-  order of messages on a link is the order of the calls that made them.
+  one), so before anything that thread sends or waits for next; when the worker
+  shuts down; and at the latest :data:`HOLD_SECONDS` after it was held (the I/O
+  thread sends it). Other threads' messages need not wait for it: nothing they
+  send can depend on it unless the creating thread handed them something (the
+  RRef, its future) after ``remote()``, and that hand-over is a call that sends it
+  first. So other traffic on the worker (replies, liveness checks) does not spoil
+  the merge, and the send path pays nothing for it.
+* Sending it is done under ``_sending``, from taking it out until it is on its
+  link: a thread that finds it being sent by another (the I/O thread's timer)
+  waits until it has left, so the order of one thread's messages on a link is
+  the order of its calls.
 * A request is held only when holding is on (``hold_remote_calls``; off from
   Python 3.12, where switching the hook re-instruments the interpreter) and no
   profiler is installed on the thread (the hook would replace it).
@@ -84,8 +89,7 @@ class HeldRequests:
     """The one request held back on a worker, and the rules for letting it go.
 
     ``_sending`` (re-entrant) is held from taking a request out until it is on its
-    link, and ``pending`` stays true meanwhile: a thread that sends anything
-    first waits for a held request another thread is sending (``Agent._send``).
+    link, and ``pending`` stays true meanwhile.
     """
 
     def __init__(self, agent: Agent, enabled: bool = True) -> None:
@@ -94,13 +98,12 @@ class HeldRequests:
         self.enabled = enabled and sys.version_info < (3, 12)
         self._sending = threading.RLock()
         self._held: HeldRequest | None = None
-        # a request is held or being sent: a plain attribute, read on every send (a hint
-        # outside the lock); set when one is held, cleared once it is on its link
+        # a request is held or being sent (a hint outside the lock); set when one is
+        # held, cleared once it is on its link
         self.pending = False
         self._due = 0.0
         self.merged = 0  # held requests sent as merged with the next one (statistics)
         self.released = 0  # held requests sent as they were (statistics)
-
 
     def may_hold(self) -> bool:
         """Whether this thread may hold a request: holding is on and no profiler is
@@ -184,10 +187,9 @@ class HeldRequests:
         """Send ``held`` (with ``_sending`` held), or settle its call if it cannot go."""
         agent = self._agent
         self._held = None  # (pending stays true until it is on its link)
+        error: BaseException | None = None  # (None and not sent: it expired while held)
         try:
-            if held.message_id not in agent._pending:  # it expired while held: never sent
-                error: BaseException | None = None
-            else:
+            if held.message_id in agent._pending:
                 agent._send(held.dest_rank, held.kind, held.message_id, held.body,
                             held.buffers)
                 agent.stats.calls_sent[held.dest_rank] += 1

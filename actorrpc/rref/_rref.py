@@ -228,6 +228,8 @@ class RRef(Generic[T]):
             fetched = _fetch_with_creation(self, creation, effective)
             if fetched is not _NOT_HELD:
                 return fetched  # type: ignore[no-any-return]
+        if creation is not None:  # (the hook let this call by: remote()'s request goes first)
+            agent.held.release(creation)
         future = agent.send_request(  # the owner bounds its wait by the same timeout
             self._owner, MessageKind.RREF_FETCH, (self._rref_id, record.meta, effective),
             timeout, description=f"to_here() of {self}", on_result=on_result,
