@@ -17,7 +17,8 @@ the blocks per side and the change.
 from the worker's agent, e.g. ``agent:held.enabled``). ``--on-value`` / ``--off-value``
 are Python expressions (default ``True`` / ``False``), evaluated on each worker.
 Modes: ``sync`` (rpc_sync of a no-op), ``remote`` (remote().to_here()), ``autograd``
-(bench_rpc's iteration) and ``async`` (windows of 500 rpc_async). Figures are in
+(bench_rpc's iteration), ``async`` (windows of 500 rpc_async) and ``tensor`` (rpc_sync
+of ``torch.add`` on two 64x64 tensors, outside autograd). Figures are in
 docs/performance.md.
 """
 
@@ -37,10 +38,11 @@ from _common import ensure_repo_on_path, free_port
 
 ensure_repo_on_path()
 
-MODES = ("sync", "remote", "autograd", "async")
-_BLOCK_CALLS = {"sync": 300, "remote": 250, "autograd": 120, "async": 2000}
+MODES = ("sync", "remote", "autograd", "async", "tensor")
+_BLOCK_CALLS = {"sync": 300, "remote": 250, "autograd": 120, "async": 2000, "tensor": 250}
 _ASYNC_WINDOW = 500
 _LEAVES = [torch.rand(64, 64, requires_grad=True) for _ in range(2)]
+_TENSORS = [leaf.detach() for leaf in _LEAVES]
 
 
 def noop(*args: Any) -> None:
@@ -81,6 +83,8 @@ def _one_call(rpc: Any, mode: str) -> None:
         rpc.rpc_sync("worker1", noop)
     elif mode == "remote":
         rpc.remote("worker1", noop, args=(1,)).to_here()
+    elif mode == "tensor":
+        rpc.rpc_sync("worker1", torch.add, args=(_TENSORS[0], _TENSORS[1]))
     else:
         import actorrpc.autograd as dist_autograd
 

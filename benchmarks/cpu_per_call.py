@@ -149,7 +149,7 @@ def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool,
         _report("caller", before, after, n)
         _report("callee", peer_before, peer_after, n)
         if profiler is not None:
-            pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+            pstats.Stats(profiler).sort_stats(os.environ.get("PROFILE_SORT", "cumulative")).print_stats(40)
     rpc.shutdown()
 
 

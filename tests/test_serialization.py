@@ -42,9 +42,9 @@ def by_value(payload: bytes) -> bool:
 @pytest.fixture
 def out_of_band(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every buffer travels out of band, however small (to check what travels)."""
-    from actorrpc.serialization import _pickling
+    from actorrpc.serialization import _tensors
 
-    monkeypatch.setattr(_pickling, "IN_BAND_LIMIT", -1)
+    monkeypatch.setattr(_tensors, "IN_BAND_LIMIT", -1)
 
 
 def roundtrip(obj):
@@ -106,6 +106,39 @@ def test_every_dtype_roundtrips_in_band(dtype):
 def test_wide_unsigned_dtypes_roundtrip(dtype):
     t = torch.arange(10).to(dtype)
     assert_same(t, roundtrip(t))
+
+
+def _form(t: torch.Tensor) -> str:
+    from actorrpc.serialization import _tensors
+
+    function, _ = _tensors.reduce_tensor(t)
+    return {_tensors._rebuild_from_array: "array", _tensors._rebuild_tensor: "general"}[function]
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.uint16, torch.uint32, torch.uint64], ids=str)
+def test_contiguous_tensors_of_numpy_dtypes_take_the_array_form(dtype):
+    """The array form (fewer torch calls) for every C-contiguous tensor numpy can hold;
+    the general form for the rest; both rebuild the same tensor, flags included."""
+    t = sample(dtype) if dtype in DTYPES else torch.arange(15).to(dtype).reshape(3, 5)
+    expected = "general" if dtype == torch.bfloat16 else "array"
+    assert _form(t) == expected
+    assert _form(t[1:]) == expected  # contiguous, at an offset into its storage
+    assert _form(t.t()) == "general"  # strided
+    assert_same(t[1:], roundtrip(t[1:]))
+    if dtype.is_floating_point or dtype.is_complex:
+        leaf = t.clone().requires_grad_(True)
+        back = roundtrip(leaf)
+        assert back.requires_grad and back.is_leaf and torch.equal(back.detach(), t)
+        parameter = roundtrip(torch.nn.Parameter(t.clone(), requires_grad=False))
+        assert type(parameter) is torch.nn.Parameter and not parameter.requires_grad
+
+
+def test_zero_dim_integers_and_booleans_keep_their_value():
+    """A 0-d integer array must not be read as a length (``bytearray(array)`` would)."""
+    for value in (torch.tensor(7), torch.tensor(True), torch.tensor(-3, dtype=torch.int8)):
+        payload, buffers = dumps(value)
+        back = loads(payload, buffers)
+        assert back.dtype == value.dtype and back.shape == () and back.item() == value.item()
 
 
 def test_transposed_tensor_keeps_strides():
@@ -305,7 +338,7 @@ def test_a_big_payload_does_not_leave_its_memo_to_later_messages():
 
 
 def test_small_tensors_travel_in_band_and_stay_writable():
-    from actorrpc.serialization._pickling import IN_BAND_LIMIT
+    from actorrpc.serialization._tensors import IN_BAND_LIMIT
 
     small = torch.arange(IN_BAND_LIMIT // 4, dtype=torch.float32)  # exactly the limit
     payload, buffers = dumps((small, torch.ones(3)))

@@ -31,7 +31,9 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
 
     offset size field
     0      2    magic       b"AR"
-    2      1    version     PROTOCOL_VERSION (5; 4 had no REMOTE_CALL_FETCH, 3 had
+    2      1    version     PROTOCOL_VERSION (6; 5 pickled every tensor in the
+                            general form of serialization._tensors, 4 had no
+                            REMOTE_CALL_FETCH, 3 had
                             no fifth EXCEPTION field and no REPLY_UNDECODED, 2
                             sent AUTOGRAD_CLEANUP as a request, 1 had no inline
                             payload)
@@ -168,7 +170,7 @@ __all__ = [
 ]
 
 MAGIC = b"AR"
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535

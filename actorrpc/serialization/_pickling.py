@@ -2,9 +2,9 @@
 
 Invariants:
 
-* Tensor data never enters the pickle stream: a dense CPU tensor is reduced to
-  its dtype, size, strides and one out-of-band buffer holding exactly the bytes
-  its view spans (a view of a large storage sends only its own elements).
+* Tensor data never enters the pickle stream beyond a few KiB: a dense CPU tensor
+  is reduced to its dtype, size (strides) and one buffer holding exactly the bytes
+  its view spans (:mod:`._tensors`).
 * Importable functions and classes travel by reference (plain pickle). Those
   defined in ``__main__``, in a notebook cell, as lambdas or closures travel by
   value through dill; the receiver caches what it rebuilt by content, so one
@@ -36,6 +36,7 @@ import dill
 import torch
 
 from ..errors import DeserializationError, SerializationError
+from ._tensors import reduce_tensor
 
 __all__ = [
     "PickleTarget",
@@ -148,106 +149,6 @@ class unpickling_from:  # noqa: N801 - used like a function: ``with unpickling_f
 
     def __exit__(self, *exc_info: object) -> None:
         _local.source = self._previous
-
-
-# --- tensors -----------------------------------------------------------------
-
-
-def _rebuild_tensor(
-    dtype: torch.dtype,
-    size: tuple[int, ...],
-    stride: tuple[int, ...] | None,
-    requires_grad: bool,
-    is_parameter: bool,
-    data: Any,
-) -> torch.Tensor:
-    """The tensor of :func:`_reduce_tensor`; ``stride`` None: contiguous."""
-    raw = memoryview(data)
-    if raw.nbytes == 0:
-        empty = torch.empty(0, dtype=dtype)
-        tensor = torch.as_strided(empty, size, stride or _contiguous_stride(size), 0)
-    elif stride is None:
-        tensor = torch.frombuffer(raw, dtype=dtype)
-        if len(size) != 1:  # (a 1-d tensor has its shape already)
-            tensor = tensor.view(size)
-    else:
-        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
-        tensor = torch.as_strided(flat, size, stride, 0)
-    if is_parameter:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    if requires_grad:
-        tensor.requires_grad_(True)
-    return tensor
-
-
-def _contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
-    stride = []
-    step = 1
-    for n in reversed(size):
-        stride.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(stride))
-
-
-# dtypes whose tensors ``Tensor.numpy()`` exports directly (bfloat16 and others go as bytes)
-_NUMPY_DTYPES = frozenset({
-    torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-})
-
-
-def _span(tensor: torch.Tensor) -> int:
-    """Number of elements between the first and last element the view touches."""
-    if tensor.numel() == 0:
-        return 0
-    return 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
-
-
-def _reduce_tensor(tensor: torch.Tensor) -> Any:
-    if (
-        not tensor.is_cpu
-        or tensor.layout != torch.strided
-        or tensor.is_quantized
-        or tensor.is_conj()
-        or tensor.is_neg()
-    ):
-        return NotImplemented
-    requires_grad = tensor.requires_grad
-    detached = tensor.detach() if requires_grad else tensor  # (numpy() refuses grad tensors)
-    raw: Any
-    stride: tuple[int, ...] | None = None
-    if detached.is_contiguous():  # the common case: as few torch calls as possible
-        if not detached.numel():
-            raw = b""
-        elif detached.dtype in _NUMPY_DTYPES:
-            raw = detached.numpy()
-        else:
-            raw = detached.reshape(-1).view(torch.uint8).numpy()
-    else:
-        if any(s < 0 for s in detached.stride()):
-            return NotImplemented
-        span = _span(detached)
-        if span > detached.numel():
-            detached = detached.contiguous()  # a gappy view: send only its elements
-            span = detached.numel()
-        stride = tuple(detached.stride())
-        flat = torch.as_strided(detached, (span,), (1,), detached.storage_offset())
-        raw = flat.view(torch.uint8).numpy() if span else b""
-    # tensor data of at most IN_BAND_LIMIT bytes is copied into the pickle stream (as a
-    # bytearray: the receiver gets writable memory); larger data goes out of band
-    view = memoryview(raw)
-    data = bytearray(view.cast("B")) if view.nbytes <= IN_BAND_LIMIT else pickle.PickleBuffer(raw)
-    return (
-        _rebuild_tensor,
-        (
-            tensor.dtype,
-            tuple(detached.shape),
-            stride,
-            requires_grad,
-            type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter),
-            data,
-        ),
-    )
 
 
 # --- by-value code -------------------------------------------------------------
@@ -388,7 +289,7 @@ class _WirePickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
         if cls is torch.Tensor or cls is torch.nn.Parameter:
-            return _reduce_tensor(obj)
+            return reduce_tensor(obj)
         reducer = _reducers.get(cls)
         if reducer is not None:
             return reducer(obj)
@@ -418,17 +319,6 @@ def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> str | None:
             inner = _find_unpicklable(value, sub_path, depth + 1)
             return inner or f"{sub_path} = {_describe(value)}"
     return None
-
-
-IN_BAND_LIMIT = 4096
-"""Tensor data of at most this many bytes travels inside the pickle stream: a copy of a few
-KiB costs less than a message frame of its own and its bookkeeping.
-
-It is copied into a ``bytearray`` by the reducer rather than kept in band by the
-``buffer_callback`` (a ``PickleBuffer`` pickled in band): that path crashed worker
-processes in garbage collection under many threads (CPython 3.11; reproduced with 8
-threads of ``rpc_async`` calls carrying small tensors and a low GC threshold, never
-with the copy). Every ``PickleBuffer`` goes out of band."""
 
 
 REUSED_PICKLER_LIMIT = 1024
