@@ -359,6 +359,68 @@ def test_gradients_for_sent_leaves_go_to_them_without_an_engine_pass(
 
 
 @pytest.mark.timeout(60)
+def test_a_message_of_leaves_makes_its_send_node_only_when_needed(workers: list[str]) -> None:
+    """Leaves sent are recorded as they are; their SendRpcBackward node is made when
+    asked for (``_send_functions()``) or needed (a hook registered after the send), with
+    the edges it would have had; a message with a non-leaf gets its node at once."""
+    from actorrpc.agent import current_agent
+    from actorrpc.autograd import _engine
+
+    store = _engine.engine_of(current_agent()).store
+    t1, t2 = _leaves((3, 3), (3, 3), seed=5)
+    with dist_autograd.context() as context_id:
+        rpc.rpc_sync("worker1", torch.mul, args=(t1, t2))
+        (send,) = store.retrieve(context_id).send_functions.values()
+        assert send.aliases is None and send.leaves == (t1, t2)
+        (node,) = dist_autograd._current_context()._send_functions().values()
+        assert node.name() == "SendRpcBackward"
+        assert [n.variable for n, _ in node.next_functions] == [t1, t2]
+        rpc.rpc_sync("worker1", torch.mul, args=(t1, t2 * 1))
+        mixed = [s for s in store.retrieve(context_id).send_functions.values() if s is not send]
+        assert mixed[0].aliases is not None and mixed[0].leaves is None
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker1", torch.mul, args=(t1, t2)).sum()
+        t1.register_hook(lambda grad: grad * 3)  # after the send: the engine must run it
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(context_id, [t1, t2], [3 * t2.detach(), t1.detach()])
+
+
+@pytest.mark.timeout(60)
+def test_gradients_kept_from_the_wire_are_never_shared_between_leaves(
+    workers: list[str],
+) -> None:
+    """The context keeps a received gradient instead of a copy; one tensor that comes for
+    two leaves (pickle delivers a tensor given twice as one object) is kept for one and
+    copied for the other, so adding into one later leaves the other alone; a received
+    expanded gradient (zero strides) is copied too."""
+    t1, t2 = _leaves((3, 3), (3, 3), seed=6)
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
+        dist_autograd.backward(context_id, [loss], retain_graph=True)
+        grads = dist_autograd.get_gradients(context_id)
+        assert grads[t1] is not grads[t2]
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(context_id, [t1, t2], [torch.full((3, 3), 2.0, dtype=torch.float64)] * 2)
+    from actorrpc.agent import current_agent
+    from actorrpc.autograd import _engine
+
+    engine = _engine.engine_of(current_agent())
+    with dist_autograd.context() as context_id:  # one tensor for both, as pickle's memo gives it
+        rpc.rpc_sync("worker1", torch.add, args=(t1, t2))
+        ctx = engine.store.retrieve(context_id)
+        (message_id,) = ctx.send_functions
+        shared = torch.ones(3, 3, dtype=torch.float64)
+        engine._continue_at(ctx, message_id, [shared, shared], True, 1, None)
+        engine._continue_at(ctx, message_id, [torch.ones_like(shared)] * 2, True, 1, None)
+        _assert_grads(context_id, [t1, t2], [torch.full((3, 3), 2.0, dtype=torch.float64)] * 2)
+    with dist_autograd.context() as context_id:  # an expanded gradient (zero strides)
+        loss = rpc.rpc_sync("worker1", _sum_of_add, args=(t1, t2))
+        dist_autograd.backward(context_id, [loss], retain_graph=True)
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(context_id, [t1, t2], [torch.full((3, 3), 2.0, dtype=torch.float64)] * 2)
+
+
+@pytest.mark.timeout(60)
 def test_backward_from_a_received_scalar(workers: list[str]) -> None:
     t1, t2 = _leaves((3, 3), (3, 3))
     with dist_autograd.context() as context_id:

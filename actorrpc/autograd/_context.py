@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import DistAutogradError
+from ._functions import make_send_aliases
 
 __all__ = [
     "ContextStore",
@@ -82,18 +83,40 @@ class SendFunction:
     message was sent; their shared ``grad_fn`` (a ``SendRpcBackward`` node) has
     edges to the tensors' graph as it was at that moment. They are private, so
     the user cannot modify them in place.
+
+    A message of leaf tensors only (:meth:`of`) records the leaves and makes its
+    aliases when first asked for them (:attr:`node`): a leaf's graph is itself, so
+    aliases made later have exactly the edges they would have had, and a pass that
+    brings gradients for leaves adds them into the context without them.
     """
 
     message_id: int
     dest: int  # rank holding the matching recv function
-    aliases: tuple[torch.Tensor, ...]
+    aliases: tuple[torch.Tensor, ...] | None  # None until made, for leaves
     reach: Any = None  # cached _functions.Reach of the node (the graph below never changes)
-    # cached on first use: the leaves the node's edges lead to; () if some edge leads
-    # elsewhere (None: not looked at yet)
+    # the leaves the node's edges lead to (set by ``of`` for a message of leaves, else
+    # cached on first use); () if some edge leads elsewhere (None: not looked at yet)
     leaves: tuple[torch.Tensor, ...] | None = None
+
+    @classmethod
+    def of(cls, message_id: int, dest: int, tensors: list[torch.Tensor]) -> SendFunction:
+        """The send function of ``tensors`` (each requires grad), as the message leaves."""
+        if all(t.is_leaf for t in tensors):
+            return cls(message_id, dest, None, leaves=tuple(tensors))
+        return cls(message_id, dest, make_send_aliases(tensors))
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The aliases, or the leaves until the aliases are made (the same shapes)."""
+        if self.aliases is None:
+            return self.leaves or ()
+        return self.aliases
 
     @property
     def node(self) -> Any:
+        """The ``SendRpcBackward`` node (made now for a message of leaves, if not yet)."""
+        if self.aliases is None:
+            self.aliases = make_send_aliases(list(self.leaves or ()))
         return self.aliases[0].grad_fn
 
 
@@ -189,15 +212,22 @@ class DistAutogradContext:
                 for key in keys:
                     self.spent[key] = pass_id
 
-    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add ``grad`` into the context's gradient of ``leaf`` (never into ``leaf.grad``)."""
+    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor, owned: bool = False) -> None:
+        """Add ``grad`` into the context's gradient of ``leaf`` (never into ``leaf.grad``).
+
+        ``owned``: nothing else refers to ``grad`` (it was just unpickled, and is
+        not given for another leaf too), so the context may keep it rather than a copy.
+        """
         with self.lock:
             if self.released:
                 return
             existing = self.grads.get(leaf)
             if existing is None:
-                # A copy: ``grad`` may alias a received buffer or a caller's tensor.
-                self.grads[leaf] = grad.detach().clone()
+                # later gradients are added into it in place: a copy unless owned (an
+                # engine's gradient may be a caller's tensor, or given to two leaves)
+                # and contiguous (a received expanded gradient keeps its zero strides)
+                keep = owned and not grad.requires_grad and grad.is_contiguous()
+                self.grads[leaf] = grad if keep else grad.detach().clone()
             elif existing.is_sparse and not grad.is_sparse:
                 self.grads[leaf] = existing + grad  # dense result; rare path
             else:

@@ -94,7 +94,6 @@ from ._functions import (
     gradients_at,
     leaves_at_edges,
     make_recv_outputs,
-    make_send_aliases,
     reach_from,
     recv_tag,
     replace_tensors,
@@ -173,7 +172,7 @@ class AutogradEngine:
         tensors = find_grad_tensors(call.args, call.kwargs)
         if tensors:
             message_id = self.store.message_ids.next()
-            ctx.add_send(SendFunction(message_id, peer, make_send_aliases(tensors)))
+            ctx.add_send(SendFunction.of(message_id, peer, tensors))
             call.meta[KEY_MESSAGE] = message_id
         response_id = self.store.message_ids.next()
         call.meta[KEY_RESPONSE] = response_id
@@ -230,7 +229,7 @@ class AutogradEngine:
                          value: Any) -> None:
         tensors = find_grad_tensors(value)
         if tensors:
-            ctx.add_send(SendFunction(response_id, caller, make_send_aliases(tensors)))
+            ctx.add_send(SendFunction.of(response_id, caller, tensors))
 
     def _attach_recv(self, ctx: DistAutogradContext, message_id: int, sender: int, value: Any,
                      received: list[torch.Tensor]) -> Any:
@@ -364,38 +363,45 @@ class AutogradEngine:
         pass_id: int,
         reply_to: int | None,
     ) -> tuple[list[torch.futures.Future], Owed]:
-        """Continue a pass from this worker's send function ``message_id`` with ``grads``."""
+        """Continue a pass from this worker's send function ``message_id`` with ``grads``
+        (unpickled from a message: the context may keep them rather than copies)."""
         send = ctx.get_send(message_id)
         if send is None:
             raise DistAutogradError(
                 f"autograd context {ctx.context_id} on {self.agent.name!r} has no send function "
                 f"for message {message_id}"
             )
-        if len(grads) != len(send.aliases):
+        sent = send.tensors
+        if len(grads) != len(sent):
             raise DistAutogradError(
                 f"message {message_id} carries {len(grads)} gradients for "
-                f"{len(send.aliases)} tensors"
+                f"{len(sent)} tensors"
             )
-        pairs = [(a, g) for a, g in zip(send.aliases, grads) if g is not None]
-        for index, (alias, grad) in enumerate(pairs):
-            if not isinstance(grad, torch.Tensor) or grad.shape != alias.shape:
+        for index, (tensor, grad) in enumerate(zip(sent, grads)):
+            if grad is not None and (
+                not isinstance(grad, torch.Tensor) or grad.shape != tensor.shape
+            ):
                 got = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
                 raise DistAutogradError(
                     f"message {message_id} carries a gradient of shape {got} for a tensor of "
-                    f"shape {tuple(alias.shape)} (gradient {index})"
+                    f"shape {tuple(tensor.shape)} (gradient {index})"
                 )
         if send.leaves is None:
             send.leaves = leaves_at_edges(send.node) or ()
         if send.leaves and _pass_straight_to_leaves(send.leaves, grads):
             # each tensor of the message was a leaf: its gradient is the one that came
-            # back, as the engine would find it (SendRpcBackward is the identity)
+            # back, as the engine would find it (SendRpcBackward is the identity); it
+            # came off the wire, so the context may keep it (the first time it appears)
             ctx.claim([("send", message_id)], pass_id, retain_graph)
+            kept: set[int] = set()
             for leaf, grad in zip(send.leaves, grads):
                 if grad is not None:
-                    ctx.accumulate(leaf, grad)
+                    ctx.accumulate(leaf, grad, owned=id(grad) not in kept)
+                    kept.add(id(grad))
             return [], []
         if send.reach is None:
             send.reach = reach_from([send.node])
+        pairs = [(a, g) for a, g in zip(send.tensors, grads) if g is not None]
         return self._local_pass(
             ctx, [("send", message_id)], [a for a, _ in pairs], [g for _, g in pairs],
             send.reach, retain_graph, pass_id, reply_to,

@@ -98,6 +98,8 @@ _functorch_active = torch._C._are_functorch_transforms_active
 def make_send_aliases(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """``SendRpc`` applied to ``tensors`` (each requires grad)."""
     apply = SendRpc.apply if _functorch_active() else _send_rpc_apply
+    if torch.is_grad_enabled():  # (as it is but under no_grad: no context manager)
+        return tuple(apply(*tensors))
     with torch.enable_grad():
         return tuple(apply(*tensors))
 
@@ -107,8 +109,12 @@ def make_recv_outputs(
 ) -> tuple[tuple[torch.Tensor, ...], Any]:
     """New tensors with the received values whose grad_fn is one tagged ``RecvRpcBackward``."""
     apply = RecvRpc.apply if _functorch_active() else _recv_rpc_apply
-    with torch.enable_grad():
-        outputs = tuple(apply(_ANCHOR, *(t.detach() for t in tensors)))
+    detached = [t.detach() for t in tensors]
+    if torch.is_grad_enabled():
+        outputs = tuple(apply(_ANCHOR, *detached))
+    else:
+        with torch.enable_grad():
+            outputs = tuple(apply(_ANCHOR, *detached))
     node = outputs[0].grad_fn
     setattr(node, _CTX, context_id)
     setattr(node, _MSG, message_id)
