@@ -291,4 +291,6 @@ def rpc_sync(
         >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))
         tensor([4., 4.])
     """
-    return rpc_async(to, func, args, kwargs, timeout).wait()
+    agent = current_agent()
+    return agent.call_and_wait(agent.resolve(to), func, tuple(args or ()), dict(kwargs or {}),
+                               timeout)

@@ -30,7 +30,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import (
     ActorRpcError,
@@ -58,18 +58,18 @@ from ._calls import (
 from ._deadlines import Deadlines
 from ._dispatch import MessageDispatcher
 from ._dynamic_group import DynamicRendezvous, handle_membership, join_dynamic_group
-from ._futures import Future
+from ._futures import CallResult, Completion, Future
 from ._held import HeldRequest, HeldRequests
 from ._inbox import InboxTurns
 from ._liveness import LivenessMonitor
 from ._members import MemberTable
 from ._observe import StatusPublisher, Tracer, WorkerStats, worker_snapshot
 from ._options import ZmqRpcBackendOptions
-from ._pool import STALL_SECONDS, WorkerPool
+from ._pool import WorkerPool
 from ._rendezvous import GroupMember, Rendezvous, choose_addresses
-from ._riders import RIDER_DELAY, Riders
+from ._riders import Riders
 from ._shared_buffers import SharedBuffers
-from ._shutdown import graceful_barriers, leave, wait_until
+from ._shutdown import graceful_barriers, leave, stop_threads, wait_until
 from ._worker_info import WorkerInfo
 
 __all__ = [
@@ -82,8 +82,8 @@ __all__ = [
     "set_current_agent",
 ]
 
+_C = TypeVar("_C", bound=Completion)  # what a request's reply completes
 _log = logging.getLogger("actorrpc.agent")
-_MAX_POLL = 0.05
 _INLINE_LIMIT = 8192  # payloads up to this size travel in the header's frame
 _CALL_FIELDS = ("func", "args", "kwargs", "meta")
 _CREDITED_KINDS = frozenset({MessageKind.CALL, MessageKind.REMOTE_CALL})
@@ -271,7 +271,7 @@ class Agent(MessageDispatcher):
                     on_joined()
                 self._start_serving()
         except BaseException:
-            self._stop_threads()
+            stop_threads(self)
             self._transport.close()
             if isinstance(rendezvous, DynamicRendezvous):
                 rendezvous.release_rank()
@@ -346,6 +346,22 @@ class Agent(MessageDispatcher):
         Pickling errors are raised here, before anything is sent. ``hold``: keep
         it back for a moment (see :mod:`._held`), when no call hook is involved.
         """
+        return self._send_request(Future, dest, kind, payload, timeout, description, on_result,
+                                  hold)
+
+    def _send_request(
+        self,
+        make: Callable[[Any, Agent], _C],
+        dest: WorkerInfo,
+        kind: MessageKind,
+        payload: Any,
+        timeout: float,
+        description: str,
+        on_result: Callable[[Any], Any] | None,
+        hold: bool,
+    ) -> _C:
+        """:meth:`send_request`, completing ``make(description, agent)`` (a Future or a
+        :class:`CallResult`)."""
         if not self._running:
             raise ActorRpcError(f"the RPC agent of {self.name!r} is shut down")
         with pickling_for(dest.id) as target:
@@ -355,8 +371,8 @@ class Agent(MessageDispatcher):
                 target.abort()
                 raise
         try:
-            return self.send_encoded(
-                dest, kind, body, timeout, description, on_result, buffers,
+            return self._send_encoded(
+                make, dest, kind, body, timeout, description, on_result, buffers,
                 target if target.has_undo else None, hold and on_result is None,
             )
         except BaseException:
@@ -364,24 +380,31 @@ class Agent(MessageDispatcher):
             raise
 
     def send_encoded(
+        self, dest: Any, kind: MessageKind, body: bytes, timeout: float = -1.0,
+        description: str = "",
+    ) -> Future[Any]:
+        """Send an already encoded request (``dest``: a WorkerInfo or GroupMember)."""
+        return self._send_encoded(Future, dest, kind, body, timeout, description, None, [],
+                                  None, False)
+
+    def _send_encoded(
         self,
+        make: Callable[[Any, Agent], _C],
         dest: Any,
         kind: MessageKind,
         body: bytes,
-        timeout: float = -1.0,
-        description: str = "",
-        on_result: Callable[[Any], Any] | None = None,
-        buffers: list[Any] | None = None,
-        undo: PickleTarget | None = None,
-        hold: bool = False,
-    ) -> Future[Any]:
-        """Send an already encoded request (``dest``: a WorkerInfo or GroupMember)."""
+        timeout: float,
+        description: str,
+        on_result: Callable[[Any], Any] | None,
+        buffers: list[Any],
+        undo: PickleTarget | None,
+        hold: bool,
+    ) -> _C:
         if isinstance(dest, GroupMember):
             dest = self.members.infos.get(dest.rank) or WorkerInfo(dest.name, dest.rank)
-        buffers = buffers or []
         timeout = self.effective_timeout(timeout)
         message_id = next(self._message_ids)
-        future: Future[Any] = Future(lambda: f"{description or kind.name} on {dest.name}", self)
+        future = make(lambda: f"{description or kind.name} on {dest.name}", self)
         self._pending[message_id] = PendingCall(
             future, dest, description, timeout, on_result, self._take_credit(dest, kind, timeout),
             kind, undo,
@@ -454,16 +477,33 @@ class Agent(MessageDispatcher):
     ) -> Future[Any]:
         """Run ``func(*args, **kwargs)`` on ``dest``; ``extra`` fields follow the meta dict
         (``hold``: see :meth:`send_request`)."""
+        return self._call(Future, dest, func, args, kwargs, timeout, kind, extra, hold)
+
+    def call_and_wait(
+        self, dest: WorkerInfo, func: Callable[..., Any], args: tuple[Any, ...],
+        kwargs: dict[str, Any], timeout: float = -1.0,
+    ) -> Any:
+        """``call(...).wait()`` for a caller that only waits: its result needs no torch
+        future (see :class:`CallResult`)."""
+        return self._call(CallResult, dest, func, args, kwargs, timeout).wait()
+
+    def _call(
+        self,
+        make: Callable[[Any, Agent], _C],
+        dest: WorkerInfo,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float,
+        kind: MessageKind = MessageKind.CALL,
+        extra: tuple[Any, ...] = (),
+        hold: bool = False,
+    ) -> _C:
         record, on_result = self.prepare_call(dest, args, kwargs)
         name = getattr(func, "__qualname__", None) or repr(func)
-        return self.send_request(
-            dest,
-            kind,
-            (func, record.args, record.kwargs, record.meta, *extra),
-            timeout,
-            description=name,
-            on_result=on_result,
-            hold=hold and not record.meta,
+        return self._send_request(
+            make, dest, kind, (func, record.args, record.kwargs, record.meta, *extra), timeout,
+            name, on_result, hold and not record.meta,
         )
 
     def _send(
@@ -512,29 +552,6 @@ class Agent(MessageDispatcher):
         self.io_thread_ident = threading.get_ident()
         self.inbox.run_io_loop(self)
 
-    def _housekeeping(self) -> None:
-        """The I/O thread's timed work: queued work, deadlines, liveness, pool growth."""
-        self.held.release_if_due(time.monotonic())
-        while not self._soon.empty():
-            fn, args = self._soon.get_nowait()
-            fn(*args)
-        self._deadlines.expire(self._pending, self._give_up)
-        self.liveness.check()
-        self._pool.maintain()
-        self.riders.flush()
-        self.batch_scheduling.check()
-
-    def _poll_timeout(self) -> float:
-        limit = _MAX_POLL if self._pool.idle_or_empty() else STALL_SECONDS
-        if self.riders.pending:
-            limit = min(limit, RIDER_DELAY)
-        now = time.monotonic()
-        held_due = self.held.seconds_to_due(now)
-        if held_due is not None:
-            limit = min(limit, held_due)
-        to_next = self._deadlines.seconds_to_next(now)
-        return limit if to_next is None else max(0.0, min(limit, to_next))
-
     # -- shutdown -------------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
@@ -572,29 +589,8 @@ class Agent(MessageDispatcher):
         if problems:
             raise ShutdownError(f"shutdown of {self.name!r} was not clean: " + "; ".join(problems))
 
-    def _stop_threads(self) -> None:
-        self._status.stop()
-        self._running = False
-        self._transport.wake()
-        self.inbox.resume()
-        if self._io_thread is not None and self._io_thread is not threading.current_thread():
-            self._io_thread.join(5.0)
-        # no thread may receive on the inbox any more (a waiter's turn ends within its poll)
-        if not self.inbox.closed and not self.inbox.held_by_current_thread():
-            if not self.inbox.lock.acquire(timeout=5.0):
-                _log.warning("%s: a thread still receives on the inbox while stopping", self.name)
-            self.inbox.closed = True  # the lock stays taken: nobody receives again
-        while not self._soon.empty():  # queued I/O work (deletes, releases) still goes out
-            fn, args = self._soon.get_nowait()
-            try:
-                fn(*args)
-            except Exception:  # noqa: BLE001 - best effort while closing
-                _log.debug("%s: queued work failed while closing", self.name, exc_info=True)
-        self.riders.flush(everything=True)
-        self._pool.close()
-
     def _close(self, graceful: bool) -> None:
-        self._stop_threads()
+        stop_threads(self)
         self.held.discard()  # (one held after shutdown() sent the last: its call fails below)
         error = ActorRpcError(f"RPC agent {self.name!r} shut down before the call completed")
         for message_id in list(self._pending):

@@ -16,7 +16,7 @@ import torch
 from ..errors import RpcTimeoutError
 from ..protocol import MessageKind
 from ..serialization import PickleTarget, dumps, pickling_for
-from ._futures import Future
+from ._futures import Completion
 from ._worker_info import WorkerInfo
 
 __all__ = [
@@ -118,7 +118,7 @@ class PendingCall:
 
     def __init__(
         self,
-        future: Future[Any],
+        future: Completion,
         dest: WorkerInfo,
         description: str,
         timeout: float,

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ActorRpcError
 
-__all__ = ["Future", "complete"]
+__all__ = ["CallResult", "Completion", "Future", "complete"]
 
 T = TypeVar("T")
 
@@ -25,23 +25,11 @@ _LIVENESS_CHECK_INTERVAL = 1.0
 _init_torch_future = torch._C.Future.__init__
 
 
-class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
-    """A ``torch.futures.Future`` for an RPC; ``wait``/``then``/``done``/``value`` as in torch.
+class Completion:
+    """What the agent completes (:func:`complete`) and a caller waits for: the state and
+    waiting :class:`Future` and :class:`CallResult` share."""
 
-    Also awaitable: ``await rpc.rpc_async(...)`` works in asyncio code.
-
-    Example::
-
-        >>> # on worker0
-        >>> fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
-        >>> fut.then(lambda f: f.wait() * 2).wait()
-        tensor([4., 4.])
-        >>> await rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))  # in asyncio
-        tensor([2., 2.])
-    """
-
-    def __init__(self, description: Any = "", agent: Any = None) -> None:
-        _init_torch_future(self, [])  # torch.futures.Future.__init__ without its Python layer
+    def _init_completion(self, description: Any, agent: Any) -> None:
         self._done = False
         self._error: BaseException | None = None
         self._gate = _thread.allocate_lock()  # released once, when the future completes
@@ -51,25 +39,19 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
         self._receiver: int | None = None  # the thread receiving on the inbox for this future
         self._blocked = False  # a thread blocks on the gate (another thread completes it)
 
+    def set_result(self, value: Any) -> None:
+        raise NotImplementedError
+
+    def set_exception(self, error: BaseException) -> None:
+        raise NotImplementedError
+
     @property
     def description(self) -> str:
         text = self._description
         return text() if callable(text) else str(text)
 
-    def wait(self) -> T:
-        """Block until the call completes; return its result or raise its error.
-
-        Ctrl-C interrupts the wait. Raises :class:`ActorRpcError` instead of
-        deadlocking when called on the RPC I/O thread (use ``then()`` there), or
-        when the agent that should complete the future stops first.
-
-        Example::
-
-            >>> # on worker0
-            >>> fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
-            >>> fut.wait()
-            tensor([2., 2.])
-        """
+    def _wait_done(self) -> None:
+        """Block until completed, or at least marked done (see :meth:`Future.wait`)."""
         if not self._done:
             agent = self._agent
             if agent is not None and (
@@ -82,9 +64,6 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
                 )
             if agent is None or not agent.inbox.receive_until(agent, self):
                 self._wait_on_gate(agent)
-        if self._error is not None:
-            raise _fresh(self._error)
-        return super().wait()  # type: ignore[no-any-return]
 
     def _wait_on_gate(self, agent: Any) -> None:
         """Block until another thread (the inbox's holder) completes this future."""
@@ -101,6 +80,45 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
         finally:
             if agent is not None:
                 agent.inbox.count_blocked(-1)
+
+
+class Future(torch.futures.Future, Completion, Generic[T]):  # type: ignore[misc]
+    """A ``torch.futures.Future`` for an RPC; ``wait``/``then``/``done``/``value`` as in torch.
+
+    Also awaitable: ``await rpc.rpc_async(...)`` works in asyncio code.
+
+    Example::
+
+        >>> # on worker0
+        >>> fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+        >>> fut.then(lambda f: f.wait() * 2).wait()
+        tensor([4., 4.])
+        >>> await rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))  # in asyncio
+        tensor([2., 2.])
+    """
+
+    def __init__(self, description: Any = "", agent: Any = None) -> None:
+        _init_torch_future(self, [])  # torch.futures.Future.__init__ without its Python layer
+        self._init_completion(description, agent)
+
+    def wait(self) -> T:
+        """Block until the call completes; return its result or raise its error.
+
+        Ctrl-C interrupts the wait. Raises :class:`ActorRpcError` instead of
+        deadlocking when called on the RPC I/O thread (use ``then()`` there), or
+        when the agent that should complete the future stops first.
+
+        Example::
+
+            >>> # on worker0
+            >>> fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+            >>> fut.wait()
+            tensor([2., 2.])
+        """
+        self._wait_done()
+        if self._error is not None:
+            raise _fresh(self._error)
+        return super().wait()  # type: ignore[no-any-return]
 
     def __await__(self) -> Generator[Any, None, T]:
         import asyncio
@@ -124,6 +142,43 @@ class Future(torch.futures.Future, Generic[T]):  # type: ignore[misc]
         return f"<actorrpc.Future {self.description} {state}>"
 
 
+class CallResult(Completion, Generic[T]):
+    """The result of a call only its caller waits for (``rpc_sync``): a :class:`Future`'s
+    completion and ``wait()``, without the C++ future nobody else would see (creating,
+    completing and reading one are three torch calls, ~20 µs between messages)."""
+
+    def __init__(self, description: Any = "", agent: Any = None) -> None:
+        self._init_completion(description, agent)
+        self._value: Any = None
+        self._claim = _thread.allocate_lock()  # taken by the one completion (as torch's raises)
+
+    def set_result(self, value: Any) -> None:
+        if not self._claim.acquire(blocking=False):
+            raise RuntimeError("the call's result was set already")
+        self._value = value
+
+    def set_exception(self, error: BaseException) -> None:
+        if not self._claim.acquire(blocking=False):
+            raise RuntimeError("the call's result was set already")
+
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self) -> T:
+        """Block until the call completes; return its result or raise its error (as
+        :meth:`Future.wait`)."""
+        self._wait_done()
+        # done is marked before the value is set: the gate opens once both are
+        self._gate.acquire()
+        self._gate.release()
+        if self._error is not None:
+            raise _fresh(self._error)
+        return self._value  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return f"<actorrpc.CallResult {self.description} {'done' if self._done else 'pending'}>"
+
+
 def _fresh(error: BaseException) -> BaseException:
     """A copy of a stored error to raise, so the stored one never collects a traceback.
 
@@ -135,7 +190,7 @@ def _fresh(error: BaseException) -> BaseException:
     return copy_error(error)
 
 
-def complete(future: Future[Any], value: Any = None, error: BaseException | None = None) -> None:
+def complete(future: Completion, value: Any = None, error: BaseException | None = None) -> None:
     """Complete ``future`` once; later completions (a late reply after a timeout) are ignored."""
     if future._done:
         return

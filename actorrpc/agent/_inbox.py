@@ -66,6 +66,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ._timed_work import run_timed_work, seconds_to_timed_work
+
 if TYPE_CHECKING:
     from ._agent import Agent
 
@@ -164,11 +166,11 @@ class InboxTurns:
                 pause = self.io_pause(now)
                 if pause > 0:
                     backed_off = True
-                    agent._housekeeping()
+                    run_timed_work(agent)
                     # while a waiter receives, look again every back-off period: its turn
                     # may end with nobody receiving (it does not wake this thread)
                     self._io_receiving, self._io_wakes_at = False, float("inf")
-                    wait = min(pause, agent._poll_timeout())
+                    wait = min(pause, seconds_to_timed_work(agent))
                     self._io_wakes_at = time.monotonic() + wait
                     self._resume.wait(wait)
                     self._io_wakes_at = 0.0
@@ -182,13 +184,13 @@ class InboxTurns:
                 probing = backed_off and bool(arrivals.poll(0))
                 backed_off = False
                 if not self.lock.acquire(timeout=BACKOFF_SECONDS):
-                    agent._housekeeping()
+                    run_timed_work(agent)
                     continue
                 self.probing = probing  # set under the lock: only the holder's messages count
                 self.holder = self._io_ident
                 try:
                     self._io_receiving, self._io_wakes_at = True, float("inf")
-                    wait = 0.0 if self.probing else agent._poll_timeout()
+                    wait = 0.0 if self.probing else seconds_to_timed_work(agent)
                     self._io_wakes_at = time.monotonic() + wait
                     for message in receive(wait):
                         agent._on_message(message)
@@ -197,7 +199,7 @@ class InboxTurns:
                     self.probing = False
                     self.holder = None
                     self.lock.release()
-                agent._housekeeping()
+                run_timed_work(agent)
             except BaseException:  # noqa: BLE001 - the loop must survive anything
                 _log.exception("%s: error in the I/O loop", agent.name)
 

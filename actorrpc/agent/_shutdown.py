@@ -14,6 +14,8 @@ known dead is reported and not waited for.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -24,7 +26,9 @@ from ._rendezvous import Rendezvous
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["graceful_barriers", "leave", "wait_until"]
+_log = logging.getLogger("actorrpc.agent")
+
+__all__ = ["graceful_barriers", "leave", "stop_threads", "wait_until"]
 
 
 def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: list[str]) -> None:
@@ -77,7 +81,7 @@ def leave(
         _wait_idle(agent, deadline, problems)
     else:
         leave_dynamic_group(agent, rendezvous, min(deadline, time.monotonic() + 1.0))
-    agent._stop_threads()
+    stop_threads(agent)
     send_left(agent)
 
 
@@ -114,3 +118,26 @@ def wait_until(condition: Callable[[], bool], deadline: float) -> bool:
         time.sleep(interval)
         interval = min(interval * 2, 0.02)
     return True
+
+
+def stop_threads(agent: Agent) -> None:
+    """Stop the agent's threads; what is queued for the I/O thread still goes out."""
+    agent._status.stop()
+    agent._running = False
+    agent._transport.wake()
+    agent.inbox.resume()
+    if agent._io_thread is not None and agent._io_thread is not threading.current_thread():
+        agent._io_thread.join(5.0)
+    # no thread may receive on the inbox any more (a waiter's turn ends within its poll)
+    if not agent.inbox.closed and not agent.inbox.held_by_current_thread():
+        if not agent.inbox.lock.acquire(timeout=5.0):
+            _log.warning("%s: a thread still receives on the inbox while stopping", agent.name)
+        agent.inbox.closed = True  # the lock stays taken: nobody receives again
+    while not agent._soon.empty():  # queued I/O work (deletes, releases) still goes out
+        fn, args = agent._soon.get_nowait()
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - best effort while closing
+            _log.debug("%s: queued work failed while closing", agent.name, exc_info=True)
+    agent.riders.flush(everything=True)
+    agent._pool.close()
