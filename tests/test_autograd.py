@@ -383,37 +383,62 @@ def test_a_message_of_leaves_makes_its_send_node_only_when_needed(workers: list[
         t1.register_hook(lambda grad: grad * 3)  # after the send: the engine must run it
         dist_autograd.backward(context_id, [loss])
         _assert_grads(context_id, [t1, t2], [3 * t2.detach(), t1.detach()])
+    with dist_autograd.context() as context_id:  # the node can no longer be made: said so
+        loss = rpc.rpc_sync("worker1", torch.mul, args=(t1, t2)).sum()
+        t1.requires_grad_(False)
+        with pytest.raises(DistAutogradError, match="no longer requires grad"):
+            dist_autograd.backward(context_id, [loss])
+    t1.requires_grad_(True)
+
+
+_stored: list[torch.Tensor] = []
+
+
+def _store(t: torch.Tensor) -> None:
+    _stored.append(t)
+
+
+def _combine_stored() -> torch.Tensor:
+    total = _stored[0]
+    for t in _stored[1:]:
+        total = total + t
+    _stored.clear()
+    return total
 
 
 @pytest.mark.timeout(60)
-def test_gradients_kept_from_the_wire_are_never_shared_between_leaves(
-    workers: list[str],
-) -> None:
-    """The context keeps a received gradient instead of a copy; one tensor that comes for
-    two leaves (pickle delivers a tensor given twice as one object) is kept for one and
-    copied for the other, so adding into one later leaves the other alone; a received
-    expanded gradient (zero strides) is copied too."""
+@pytest.mark.parametrize(
+    "order", [("a", "b"), ("a", "a", "z2"), ("z2", "a", "a"), ("a", "z2", "a")]
+)
+def test_gradients_kept_from_the_wire_are_never_shared(workers: list[str], order: Any) -> None:
+    """The context keeps a received gradient rather than a copy only when nothing else
+    refers to it. Here worker1 adds up tensors that came in separate messages, so its
+    reply hands back one gradient object (pickle's memo) for several of this worker's
+    messages: kept for one leaf it would also be another leaf's, or the start of
+    another message's pass, and adding into it would change both."""
+    weight = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    a, b, z = (torch.ones(3, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sent = {"a": lambda: a, "b": lambda: b, "z2": lambda: z * 2}
+    with dist_autograd.context() as context_id:
+        for name in order:
+            rpc.rpc_sync("worker1", _store, args=(sent[name](),))
+        loss = (rpc.rpc_sync("worker1", _combine_stored) * weight).sum()
+        for passes in (1, 2):  # a second pass adds into what the first one kept
+            dist_autograd.backward(context_id, [loss], retain_graph=True)
+            grads = dist_autograd.get_gradients(context_id)
+            for leaf, name, factor in ((a, "a", 1), (b, "b", 1), (z, "z2", 2)):
+                if name in order:
+                    expected = weight * factor * order.count(name) * passes
+                    torch.testing.assert_close(grads[leaf], expected, msg=f"{name} pass {passes}")
+            if "b" in order:
+                assert grads[a] is not grads[b]
+
+
+@pytest.mark.timeout(60)
+def test_an_expanded_gradient_from_the_wire_is_copied(workers: list[str]) -> None:
+    """A received gradient with zero strides (the sum's) cannot be added into in place."""
     t1, t2 = _leaves((3, 3), (3, 3), seed=6)
     with dist_autograd.context() as context_id:
-        loss = rpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
-        dist_autograd.backward(context_id, [loss], retain_graph=True)
-        grads = dist_autograd.get_gradients(context_id)
-        assert grads[t1] is not grads[t2]
-        dist_autograd.backward(context_id, [loss])
-        _assert_grads(context_id, [t1, t2], [torch.full((3, 3), 2.0, dtype=torch.float64)] * 2)
-    from actorrpc.agent import current_agent
-    from actorrpc.autograd import _engine
-
-    engine = _engine.engine_of(current_agent())
-    with dist_autograd.context() as context_id:  # one tensor for both, as pickle's memo gives it
-        rpc.rpc_sync("worker1", torch.add, args=(t1, t2))
-        ctx = engine.store.retrieve(context_id)
-        (message_id,) = ctx.send_functions
-        shared = torch.ones(3, 3, dtype=torch.float64)
-        engine._continue_at(ctx, message_id, [shared, shared], True, 1, None)
-        engine._continue_at(ctx, message_id, [torch.ones_like(shared)] * 2, True, 1, None)
-        _assert_grads(context_id, [t1, t2], [torch.full((3, 3), 2.0, dtype=torch.float64)] * 2)
-    with dist_autograd.context() as context_id:  # an expanded gradient (zero strides)
         loss = rpc.rpc_sync("worker1", _sum_of_add, args=(t1, t2))
         dist_autograd.backward(context_id, [loss], retain_graph=True)
         dist_autograd.backward(context_id, [loss])

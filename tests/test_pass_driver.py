@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from actorrpc.autograd._pass_driver import PassDriver
+from actorrpc.autograd._pass_driver import PassDriver, appearing_once
 from actorrpc.errors import DistAutogradError
 
 pytestmark = pytest.mark.timeout(30)
@@ -23,9 +23,11 @@ class _Passes:
     def __init__(self, plan: dict[int, tuple[list[torch.futures.Future], list[Any]]]) -> None:
         self.plan = plan
         self.ran: list[tuple[int, list[Any]]] = []
+        self.single: list[frozenset[int]] = []
 
-    def __call__(self, message_id: int, grads: list[Any]) -> Any:
+    def __call__(self, message_id: int, grads: list[Any], single: frozenset[int]) -> Any:
         self.ran.append((message_id, grads))
+        self.single.append(single)
         step = self.plan[message_id]
         if isinstance(step, BaseException):
             raise step
@@ -82,3 +84,17 @@ def test_a_malformed_reply_fails_instead_of_hanging(reply: Any) -> None:
     future.set_result(reply)
     with pytest.raises(DistAutogradError, match="malformed reply"):
         driver.result.wait()
+
+
+def test_only_gradients_that_appear_once_in_a_reply_may_be_kept() -> None:
+    """A reply handing back one tensor object for two messages (pickle's memo) marks it
+    as not kept: the context must copy it (see ``DistAutogradContext.accumulate``)."""
+    shared, alone, other = torch.ones(2), torch.zeros(2), torch.ones(3)
+    passes = _Passes({7: ([], []), 8: ([], [])})
+    driver = PassDriver(passes, _inline_submit)
+    reply: torch.futures.Future = torch.futures.Future()
+    driver.add([reply], [])
+    reply.set_result([(7, [shared, alone]), (8, [shared, None, other])])
+    assert passes.single == [frozenset({id(alone), id(other)})] * 2
+    assert appearing_once([[shared, shared], [None]]) == frozenset()
+    driver.result.wait()

@@ -162,7 +162,7 @@ class CallResult(Completion, Generic[T]):
             raise RuntimeError("the call's result was set already")
 
     def done(self) -> bool:
-        return self._done
+        return self._done and not self._gate.locked()  # (marked done before the value is set)
 
     def wait(self) -> T:
         """Block until the call completes; return its result or raise its error (as

@@ -116,7 +116,15 @@ class SendFunction:
     def node(self) -> Any:
         """The ``SendRpcBackward`` node (made now for a message of leaves, if not yet)."""
         if self.aliases is None:
-            self.aliases = make_send_aliases(list(self.leaves or ()))
+            leaves = list(self.leaves or ())
+            frozen = [i for i, leaf in enumerate(leaves) if not leaf.requires_grad]
+            if frozen:
+                raise DistAutogradError(
+                    f"tensor {frozen[0]} of autograd message {self.message_id} was sent as a "
+                    "leaf requiring grad but no longer requires grad: its send function "
+                    "cannot be made (requires_grad_(False) after the RPC)"
+                )
+            self.aliases = make_send_aliases(leaves)
         return self.aliases[0].grad_fn
 
 

@@ -98,7 +98,7 @@ from ._functions import (
     recv_tag,
     replace_tensors,
 )
-from ._pass_driver import Owed, PassDriver
+from ._pass_driver import Owed, PassDriver, appearing_once
 
 __all__ = ["AutogradEngine", "engine_of", "install"]
 
@@ -296,8 +296,8 @@ class AutogradEngine:
     def _driver(self, ctx: DistAutogradContext, retain_graph: bool, pass_id: int,
                 reply_to: int | None, submit: Callable[..., None] | None = None) -> PassDriver:
         return PassDriver(
-            lambda message_id, grads: self._continue_at(
-                ctx, message_id, grads, retain_graph, pass_id, reply_to
+            lambda message_id, grads, single: self._continue_at(
+                ctx, message_id, grads, retain_graph, pass_id, reply_to, single
             ),
             submit or self.agent.submit,
             self.agent,
@@ -362,9 +362,13 @@ class AutogradEngine:
         retain_graph: bool,
         pass_id: int,
         reply_to: int | None,
+        single: frozenset[int] = frozenset(),
     ) -> tuple[list[torch.futures.Future], Owed]:
-        """Continue a pass from this worker's send function ``message_id`` with ``grads``
-        (unpickled from a message: the context may keep them rather than copies)."""
+        """Continue a pass from this worker's send function ``message_id`` with ``grads``.
+
+        ``single``: ids of gradients that appear once in the message they were
+        unpickled from; the context may keep those rather than copies.
+        """
         send = ctx.get_send(message_id)
         if send is None:
             raise DistAutogradError(
@@ -390,14 +394,11 @@ class AutogradEngine:
             send.leaves = leaves_at_edges(send.node) or ()
         if send.leaves and _pass_straight_to_leaves(send.leaves, grads):
             # each tensor of the message was a leaf: its gradient is the one that came
-            # back, as the engine would find it (SendRpcBackward is the identity); it
-            # came off the wire, so the context may keep it (the first time it appears)
+            # back, as the engine would find it (SendRpcBackward is the identity)
             ctx.claim([("send", message_id)], pass_id, retain_graph)
-            kept: set[int] = set()
             for leaf, grad in zip(send.leaves, grads):
                 if grad is not None:
-                    ctx.accumulate(leaf, grad, owned=id(grad) not in kept)
-                    kept.add(id(grad))
+                    ctx.accumulate(leaf, grad, owned=id(grad) in single)
             return [], []
         if send.reach is None:
             send.reach = reach_from([send.node])
@@ -417,7 +418,7 @@ class AutogradEngine:
         ctx = self.store.retrieve(context_id)
         requester = request.sender.id
         futures, owed = self._continue_at(ctx, message_id, grads, retain_graph, pass_id,
-                                          requester)
+                                          requester, appearing_once([grads]))
         if not futures:
             return owed or None
         driver = self._driver(ctx, retain_graph, pass_id, requester)

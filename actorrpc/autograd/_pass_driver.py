@@ -21,7 +21,7 @@ reaches zero exactly once, when the whole pass is done on this worker.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -29,10 +29,11 @@ import torch
 from ..agent import Agent, Future, complete
 from ..errors import DistAutogradError
 
-__all__ = ["Owed", "PassDriver"]
+__all__ = ["Owed", "PassDriver", "appearing_once"]
 
 Owed = list[tuple[int, list[Any]]]  # (message id of one of the requester's send functions, grads)
-ContinueAt = Callable[[int, list[Any]], tuple[list[torch.futures.Future], Owed]]
+# (message id, grads, ids of the tensors among them that appear once in their message)
+ContinueAt = Callable[[int, list[Any], frozenset[int]], tuple[list[torch.futures.Future], Owed]]
 
 
 class PassDriver:
@@ -72,13 +73,14 @@ class PassDriver:
             self._record(exc)
         with self._lock:
             self._outstanding += len(handed_back)
+        single = appearing_once(grads for _, grads in handed_back)
         for message_id, grads in handed_back:
-            self._submit(self._run, message_id, grads)
+            self._submit(self._run, message_id, grads, single)
         self._finish_one()
 
-    def _run(self, message_id: int, grads: list[Any]) -> None:
+    def _run(self, message_id: int, grads: list[Any], single: frozenset[int]) -> None:
         try:
-            futures, owed = self._continue_at(message_id, grads)
+            futures, owed = self._continue_at(message_id, grads, single)
         except BaseException as exc:  # noqa: BLE001
             self.fail(exc)
             return
@@ -99,6 +101,18 @@ class PassDriver:
             complete(self.result, error=error)
         else:
             complete(self.result, owed)
+
+
+def appearing_once(grad_lists: Iterable[list[Any]]) -> frozenset[int]:
+    """Ids of the tensors that appear once in all of ``grad_lists`` (one unpickled
+    message): pickle gives a tensor that was sent twice as one object, and only a
+    tensor nothing else refers to may be kept by a context rather than copied."""
+    counts: dict[int, int] = {}
+    for grads in grad_lists:
+        for grad in grads:
+            if grad is not None:
+                counts[id(grad)] = counts.get(id(grad), 0) + 1
+    return frozenset(key for key, count in counts.items() if count == 1)
 
 
 def _checked(reply: Any) -> Owed:
