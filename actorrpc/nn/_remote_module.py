@@ -119,7 +119,9 @@ class RemoteModule(torch.nn.Module):
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        return self.forward_async(*args, **kwargs).wait()
+        return current_agent().call_and_wait(
+            self.owner, _forward, (self.module_rref, args, kwargs), {}
+        )
 
     def forward_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """Run ``forward`` on the owner and return a Future of its output."""
@@ -128,9 +130,9 @@ class RemoteModule(torch.nn.Module):
     def remote_parameters(self, recurse: bool = True) -> list[RRef[Any]]:
         """RRefs to the remote module's parameters."""
         agent = current_agent()
-        result: list[RRef[Any]] = agent.call(
+        result: list[RRef[Any]] = agent.call_and_wait(
             self.owner, _parameter_rrefs, (self.module_rref, recurse), {}
-        ).wait()
+        )
         return result
 
     def get_module_rref(self) -> RRef[torch.nn.Module]:
@@ -139,7 +141,7 @@ class RemoteModule(torch.nn.Module):
 
     def train(self, mode: bool = True) -> RemoteModule:
         """Set training mode on the remote module (and on this shell)."""
-        current_agent().call(self.owner, _set_training, (self.module_rref, mode), {}).wait()
+        current_agent().call_and_wait(self.owner, _set_training, (self.module_rref, mode), {})
         self.training = mode
         return self
 

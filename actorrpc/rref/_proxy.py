@@ -281,7 +281,7 @@ def fetch_type(rref: RRef[Any], timeout: float = -1.0) -> type:
         if rref.is_owner():
             cached = _type_of(rref)
         else:
-            cached = wait_result(current_agent().call(rref.owner(), _type_of, (rref,), {}, timeout))
+            cached = current_agent().call_and_wait(rref.owner(), _type_of, (rref,), {}, timeout)
         rref._type_cache = cached  # type: ignore[attr-defined]
     return cached  # type: ignore[no-any-return]
 
@@ -295,4 +295,4 @@ def _backward_on_owner(rref: RRef[Any], context_id: int, retain_graph: bool) -> 
 def rref_backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
     """``rref.backward(ctx_id)``: distributed backward from the owner's value."""
     agent = current_agent()
-    wait_result(agent.call(rref.owner(), _backward_on_owner, (rref, context_id, retain_graph), {}))
+    agent.call_and_wait(rref.owner(), _backward_on_owner, (rref, context_id, retain_graph), {})
