@@ -7,6 +7,7 @@ group needed); the last few round-trip through the session group.
 from __future__ import annotations
 
 import pickle
+import sys
 import textwrap
 
 import pytest
@@ -547,3 +548,25 @@ def test_small_tensors_from_many_threads_survive_garbage_collection(tmp_path) ->
     # workers crashed in garbage collection (SIGSEGV) in most runs of this script.
     output = run_script(tmp_path, _SMALL_TENSORS_UNDER_GC_PRESSURE, timeout=120)
     assert "calls ok" in output, output
+
+
+def test_torch_functions_travel_as_one_name_and_other_builtins_as_before():
+    """``torch.add`` pickles as ``_torch_function("add")`` (its own reduction is a getattr
+    on a C class); builtins of other modules by name; bound builtin methods as pickle
+    does, and never cached (the cache would keep their objects alive)."""
+    import operator
+
+    from actorrpc.serialization import _pickling
+
+    payload, buffers = dumps(torch.add)
+    assert b"_torch_function" in payload and b"_VariableFunctionsClass" not in payload
+    for function in (torch.add, torch.cat, torch.nn.functional.relu, operator.add, len):
+        payload, buffers = dumps(function)
+        assert loads(payload, buffers) is function
+    items = [1, 2]
+    payload, buffers = dumps(items.append)
+    appended = loads(payload, buffers)
+    appended(3)  # a copy of the list got it
+    assert items == [1, 2]
+    assert all(getattr(f, "__self__", None) is None or isinstance(f.__self__, type(sys))
+               for f in _pickling._builtin_reductions)

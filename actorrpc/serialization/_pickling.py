@@ -285,11 +285,38 @@ def _reduce_by_value(obj: Any) -> Any:
     return _load_by_value, (blob,)
 
 
+def _torch_function(name: str) -> Any:
+    """``torch.<name>``: how a function of the ``torch`` namespace travels."""
+    return getattr(torch, name)
+
+
+# reductions of builtin functions of modules, by function: torch's own ("torch.add")
+# reduce to one global and a name (their own reduction is getattr on a C class: three
+# objects to pickle, each a call of the reducer); others to NotImplemented (pickle's
+# by-name reference)
+_builtin_reductions: dict[Any, Any] = {}
+
+
+def _reduce_builtin(obj: Any) -> Any:
+    self = obj.__self__
+    if self is not None and type(self) is not types.ModuleType:
+        return NotImplemented  # a bound method of some object: never cached
+    reduction = _builtin_reductions.get(obj)
+    if reduction is None:
+        name = obj.__name__
+        is_torch = getattr(obj, "__module__", None) == "torch" and getattr(torch, name, None) is obj
+        reduction = (_torch_function, (name,)) if is_torch else NotImplemented
+        _builtin_reductions[obj] = reduction
+    return reduction
+
+
 class _WirePickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
         if cls is torch.Tensor or cls is torch.nn.Parameter:
             return reduce_tensor(obj)
+        if cls is types.BuiltinFunctionType:
+            return _reduce_builtin(obj)
         reducer = _reducers.get(cls)
         if reducer is not None:
             return reducer(obj)
