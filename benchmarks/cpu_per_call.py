@@ -14,7 +14,8 @@ carry their Python names (``MainThread``, ``actorrpc-io-<worker>``, pool threads
 --pin split`` does. ``async`` pipelines in windows of 500 calls in flight, as
 bench_rpc does. ``autograd`` is bench_rpc's iteration (a
 context, an RPC'd ``torch.add`` of two 64x64 tensors, backward, get_gradients);
-``--profile`` also prints the caller's main thread's costliest functions (cProfile).
+``--profile`` also prints the caller's main thread's costliest functions (cProfile; sorted by
+``PROFILE_SORT``, default ``cumulative``, e.g. ``PROFILE_SORT=tottime``).
 A waiting thread's busy polling counts as CPU: ``ACTORRPC_BUSY_POLL=0 python
 benchmarks/cpu_per_call.py ...`` shows the CPU of the work alone (with blocking
 waits). Figures are in docs/performance.md.
@@ -149,7 +150,8 @@ def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool,
         _report("caller", before, after, n)
         _report("callee", peer_before, peer_after, n)
         if profiler is not None:
-            pstats.Stats(profiler).sort_stats(os.environ.get("PROFILE_SORT", "cumulative")).print_stats(40)
+            order = os.environ.get("PROFILE_SORT", "cumulative")
+            pstats.Stats(profiler).sort_stats(order).print_stats(40)
     rpc.shutdown()
 
 
