@@ -153,11 +153,13 @@ class CallResult(Completion, Generic[T]):
         self._claim = _thread.allocate_lock()  # taken by the one completion (as torch's raises)
 
     def set_result(self, value: Any) -> None:
-        if not self._claim.acquire(blocking=False):
-            raise RuntimeError("the call's result was set already")
+        self._take_claim()
         self._value = value
 
     def set_exception(self, error: BaseException) -> None:
+        self._take_claim()  # (complete() keeps the error)
+
+    def _take_claim(self) -> None:
         if not self._claim.acquire(blocking=False):
             raise RuntimeError("the call's result was set already")
 
@@ -168,9 +170,8 @@ class CallResult(Completion, Generic[T]):
         """Block until the call completes; return its result or raise its error (as
         :meth:`Future.wait`)."""
         self._wait_done()
-        # done is marked before the value is set: the gate opens once both are
-        self._gate.acquire()
-        self._gate.release()
+        if self._gate.locked():  # marked done, not yet completed (by another thread)
+            self._wait_on_gate(self._agent)
         if self._error is not None:
             raise _fresh(self._error)
         return self._value  # type: ignore[no-any-return]

@@ -310,13 +310,14 @@ def _reduce_builtin(obj: Any) -> Any:
     return reduction
 
 
+register_reducer(types.BuiltinFunctionType, _reduce_builtin)
+
+
 class _WirePickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
         if cls is torch.Tensor or cls is torch.nn.Parameter:
             return reduce_tensor(obj)
-        if cls is types.BuiltinFunctionType:
-            return _reduce_builtin(obj)
         reducer = _reducers.get(cls)
         if reducer is not None:
             return reducer(obj)

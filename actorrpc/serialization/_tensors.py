@@ -51,12 +51,6 @@ _ARRAY_CODES = {dtype: code for code, dtype in enumerate(_ARRAY_DTYPES)}
 _REQUIRES_GRAD = 1
 _PARAMETER = 2
 
-# dtypes whose tensors ``Tensor.numpy()`` exports directly (bfloat16 and others go as bytes)
-_NUMPY_DTYPES = frozenset({
-    torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-})
-
 
 def _data(buffer: Any, nbytes: int) -> Any:
     """What carries ``nbytes`` of contiguous tensor data: an in-band copy or an
@@ -148,13 +142,8 @@ def _reduce_general(tensor: torch.Tensor) -> Any:
     detached = tensor.detach() if requires_grad else tensor  # (numpy() refuses grad tensors)
     raw: Any
     stride: tuple[int, ...] | None = None
-    if detached.is_contiguous():
-        if not detached.numel():
-            raw = b""
-        elif detached.dtype in _NUMPY_DTYPES:
-            raw = detached.numpy()
-        else:
-            raw = detached.reshape(-1).view(torch.uint8).numpy()
+    if detached.is_contiguous():  # a dtype numpy lacks (bfloat16 ...): its bytes
+        raw = detached.reshape(-1).view(torch.uint8).numpy() if detached.numel() else b""
     else:
         if any(s < 0 for s in detached.stride()):
             return NotImplemented
