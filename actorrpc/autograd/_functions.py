@@ -43,11 +43,10 @@ __all__ = [
     "replace_tensors",
 ]
 
-# Attributes set on a RecvRpcBackward node (ints only: no cycle node <-> records).
-_CTX = "_actorrpc_context_id"
-_MSG = "_actorrpc_message_id"
-_SENDER = "_actorrpc_sender"
-_NOUT = "_actorrpc_num_outputs"
+# The attribute set on a RecvRpcBackward node: (context id, message id, sender,
+# number of outputs); ints only, so no cycle node <-> records. One attribute: every
+# attribute of a torch node is a torch call, costly when caches are cold.
+_TAG = "_actorrpc_recv"
 
 # Input of every RecvRpc so that its outputs require grad; never receives a gradient.
 _ANCHOR = torch.zeros((), requires_grad=True)
@@ -116,19 +115,13 @@ def make_recv_outputs(
         with torch.enable_grad():
             outputs = tuple(apply(_ANCHOR, *detached))
     node = outputs[0].grad_fn
-    setattr(node, _CTX, context_id)
-    setattr(node, _MSG, message_id)
-    setattr(node, _SENDER, sender)
-    setattr(node, _NOUT, len(outputs))
+    setattr(node, _TAG, (context_id, message_id, sender, len(outputs)))
     return outputs, node
 
 
 def recv_tag(node: Any) -> tuple[int, int, int, int] | None:
     """``(context_id, message_id, sender, num_outputs)`` of a RecvRpcBackward node, else None."""
-    message_id = getattr(node, _MSG, None)
-    if message_id is None:
-        return None
-    return getattr(node, _CTX), message_id, getattr(node, _SENDER), getattr(node, _NOUT)
+    return getattr(node, _TAG, None)
 
 
 # -- values ------------------------------------------------------------------------------
