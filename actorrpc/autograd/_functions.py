@@ -94,26 +94,28 @@ _recv_rpc_apply = super(torch.autograd.Function, RecvRpc).apply
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
+def _apply_recording(
+    function: type[torch.autograd.Function], fast_apply: Any, *inputs: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """``function`` applied with grad mode on (the C++ apply unless functorch is active;
+    no ``enable_grad`` context manager when grad mode is on already, as it usually is)."""
+    apply = function.apply if _functorch_active() else fast_apply
+    if torch.is_grad_enabled():
+        return tuple(apply(*inputs))
+    with torch.enable_grad():
+        return tuple(apply(*inputs))
+
+
 def make_send_aliases(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """``SendRpc`` applied to ``tensors`` (each requires grad)."""
-    apply = SendRpc.apply if _functorch_active() else _send_rpc_apply
-    if torch.is_grad_enabled():  # (as it is but under no_grad: no context manager)
-        return tuple(apply(*tensors))
-    with torch.enable_grad():
-        return tuple(apply(*tensors))
+    return _apply_recording(SendRpc, _send_rpc_apply, *tensors)
 
 
 def make_recv_outputs(
     tensors: list[torch.Tensor], context_id: int, message_id: int, sender: int
 ) -> tuple[tuple[torch.Tensor, ...], Any]:
     """New tensors with the received values whose grad_fn is one tagged ``RecvRpcBackward``."""
-    apply = RecvRpc.apply if _functorch_active() else _recv_rpc_apply
-    detached = [t.detach() for t in tensors]
-    if torch.is_grad_enabled():
-        outputs = tuple(apply(_ANCHOR, *detached))
-    else:
-        with torch.enable_grad():
-            outputs = tuple(apply(_ANCHOR, *detached))
+    outputs = _apply_recording(RecvRpc, _recv_rpc_apply, _ANCHOR, *(t.detach() for t in tensors))
     node = outputs[0].grad_fn
     setattr(node, _TAG, (context_id, message_id, sender, len(outputs)))
     return outputs, node
