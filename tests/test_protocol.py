@@ -54,9 +54,9 @@ _BIG_ID = 1 << 60  # far above any id worker1 uses for its own calls
 
 def test_header_layout():
     assert HEADER_SIZE == 20 == _RAW.size
-    assert MAGIC == b"AR" and PROTOCOL_VERSION == 6
+    assert MAGIC == b"AR" and PROTOCOL_VERSION == 7
     frame = encode_header(MessageKind.CALL, 3, 7, 123456789)
-    assert frame == _RAW.pack(b"AR", 6, 1, 0, 3, 7, 123456789)
+    assert frame == _RAW.pack(b"AR", 7, 1, 0, 3, 7, 123456789)
     assert {MessageKind.RESPONSE, MessageKind.EXCEPTION} == RESPONSE_KINDS
 
 
@@ -102,7 +102,8 @@ def test_too_many_buffers_rejected():
         (_RAW.pack(b"AR", 3, 1, 0, 0, 0, 1), "version"),  # errors had four fields
         (_RAW.pack(b"AR", 4, 1, 0, 0, 0, 1), "version"),  # no REMOTE_CALL_FETCH
         (_RAW.pack(b"AR", 5, 1, 0, 0, 0, 1), "version"),  # tensors in the general form
-        (_RAW.pack(b"AR", 7, 1, 0, 0, 0, 1), "version"),
+        (_RAW.pack(b"AR", 6, 1, 0, 0, 0, 1), "version"),  # riders had no message ids
+        (_RAW.pack(b"AR", 8, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", 255, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", _V, 0, 0, 0, 0, 1), "kind"),
         (_RAW.pack(b"AR", _V, 17, 0, 0, 0, 1), "kind"),
@@ -127,7 +128,8 @@ def test_too_many_buffers_rejected():
         "version-3",
         "version-4",
         "version-5",
-        "version-7",
+        "version-6",
+        "version-8",
         "version-255",
         "kind-0",
         "kind-17",
@@ -151,12 +153,13 @@ def test_malformed_header_raises_protocol_error(frame, match):
 
 
 def test_riders_roundtrip_in_order():
-    riders = [(MessageKind.RREF_USER_DELETE, b"abc"), (MessageKind.SHM_RELEASE, b""),
-              (MessageKind.AUTOGRAD_CLEANUP, b"c"), (MessageKind.REPLY_UNDECODED, b"r"),
-              (MessageKind.RREF_USER_DELETE, b"x" * 70000)]
-    decoded = decode_riders(encode_riders([(int(k), b) for k, b in riders]))
-    assert [(k, bytes(b)) for k, b in decoded] == riders
-    assert all(isinstance(k, MessageKind) for k, _ in decoded)
+    riders = [(MessageKind.RREF_USER_DELETE, 0, b"abc"), (MessageKind.SHM_RELEASE, 0, b""),
+              (MessageKind.RESPONSE, 7, b"reply"), (MessageKind.AUTOGRAD_CLEANUP, 0, b"c"),
+              (MessageKind.REPLY_UNDECODED, 0, b"r"), (MessageKind.RESPONSE, 2**64 - 1, b""),
+              (MessageKind.RREF_USER_DELETE, 0, b"x" * 70000)]
+    decoded = decode_riders(encode_riders([(int(k), i, b) for k, i, b in riders]))
+    assert [(k, i, bytes(b)) for k, i, b in decoded] == riders
+    assert all(isinstance(k, MessageKind) for k, _, _ in decoded)
 
 
 _DELETE = int(MessageKind.RREF_USER_DELETE)
@@ -167,18 +170,20 @@ _DELETE = int(MessageKind.RREF_USER_DELETE)
     [
         (b"", "empty"),
         (b"\x08\x00", "inside an entry header"),
-        (encode_riders([(_DELETE, b"abc")])[:-1], "declares 3 bytes but 2"),
-        (encode_riders([(_DELETE, b"abc")]) + b"\x08", "inside an entry header"),
-        (encode_riders([(int(MessageKind.RESPONSE), b"")]), "kind 2 cannot ride"),
-        (encode_riders([(int(MessageKind.EXCEPTION), b"")]), "kind 3 cannot ride"),
-        (encode_riders([(int(MessageKind.MEMBERSHIP), b"{}")]), "kind 13 cannot ride"),
-        (encode_riders([(0, b"")]), "kind 0 cannot ride"),
-        (encode_riders([(200, b"")]), "kind 200 cannot ride"),
-        (encode_riders([(int(MessageKind.CALL), b"")]), "kind 1 cannot ride"),
-        (encode_riders([(int(MessageKind.PING), b"")]), "kind 11 cannot ride"),
+        (encode_riders([(_DELETE, 0, b"abc")])[:-1], "declares 3 bytes but 2"),
+        (encode_riders([(_DELETE, 0, b"abc")]) + b"\x08", "inside an entry header"),
+        (encode_riders([(int(MessageKind.RESPONSE), 0, b"")]), "response .* no message id"),
+        (encode_riders([(_DELETE, 5, b"")]), "notification .* has message id 5"),
+        (encode_riders([(int(MessageKind.EXCEPTION), 3, b"")]), "kind 3 cannot ride"),
+        (encode_riders([(int(MessageKind.MEMBERSHIP), 0, b"{}")]), "kind 13 cannot ride"),
+        (encode_riders([(0, 0, b"")]), "kind 0 cannot ride"),
+        (encode_riders([(200, 0, b"")]), "kind 200 cannot ride"),
+        (encode_riders([(int(MessageKind.CALL), 1, b"")]), "kind 1 cannot ride"),
+        (encode_riders([(int(MessageKind.PING), 0, b"")]), "kind 11 cannot ride"),
     ],
-    ids=["empty", "short-entry", "truncated-body", "trailing-byte", "response", "exception",
-         "membership", "kind-0", "kind-200", "call", "ping"],
+    ids=["empty", "short-entry", "truncated-body", "trailing-byte", "response-without-id",
+         "notification-with-id", "exception", "membership", "kind-0", "kind-200", "call",
+         "ping"],
 )
 def test_malformed_riders_raise_protocol_error(frame, match):
     with pytest.raises(rpc.ProtocolError, match=match):
@@ -499,10 +504,10 @@ def _requests_answered_with_errors(tok: str) -> list[tuple[str, list[bytes]]]:
         # notifications riding on a request: malformed riders frames
         ("", [riders_header(), marking_call(tok)]),  # flagged, but no riders frame
         ("", [riders_header(), marking_call(tok), b"\xff\xfe"]),
-        ("", [riders_header(), marking_call(tok), encode_riders([(2, pickle.dumps(None))])]),
+        ("", [riders_header(), marking_call(tok), encode_riders([(2, 0, pickle.dumps(None))])]),
         (
             "",
-            [riders_header(), marking_call(tok), encode_riders([(_DELETE, b"abc")])[:-1]],
+            [riders_header(), marking_call(tok), encode_riders([(_DELETE, 0, b"abc")])[:-1]],
         ),
         (  # a rider is handled even when the message that carried it is refused
             u + "14",
@@ -512,7 +517,7 @@ def _requests_answered_with_errors(tok: str) -> list[tuple[str, list[bytes]]]:
                 marking_call(u + "s7"),
                 _NO_SEGMENT,
                 b"\x00\x00",
-                encode_riders([(_DELETE, pickle.dumps((MarkOnUnpickle(u + "14"),)))]),
+                encode_riders([(_DELETE, 0, pickle.dumps((MarkOnUnpickle(u + "14"),)))]),
             ],
         ),
         (  # a well-formed rider is handled (as a notification) before its carrier
@@ -520,7 +525,7 @@ def _requests_answered_with_errors(tok: str) -> list[tuple[str, list[bytes]]]:
             [
                 riders_header(MessageKind.PING),
                 pickle.dumps(()),
-                encode_riders([(_DELETE, pickle.dumps((MarkOnUnpickle(u + "13"),)))]),
+                encode_riders([(_DELETE, 0, pickle.dumps((MarkOnUnpickle(u + "13"),)))]),
             ],
         ),
         (u + "1", [header(MessageKind.CALL), _unterminated_marking_pickle(u + "1")]),

@@ -156,6 +156,7 @@ class Agent(MessageDispatcher):
         self._message_ids = itertools.count(1)
         self._inflight = 0
         self._inflight_lock = threading.Lock()
+        self._unstarted: dict[int, int] = {}  # sender rank -> requests received, not started
         self._serving: dict[tuple[int, int], tuple[MessageKind, Any, float]] = {}
         self.members = MemberTable()
         self._members = self.members.members
@@ -174,7 +175,8 @@ class Agent(MessageDispatcher):
         self.stats = WorkerStats()
         self.tracer = Tracer(rank, name)
         self._status = StatusPublisher(self, self._publish_status)
-        self._pool = WorkerPool(options.num_worker_threads, f"actorrpc-{name}")
+        self._pool = WorkerPool(options.num_worker_threads, f"actorrpc-{name}",
+                                before_wait=self.riders.settle_owed)
         self.register_handler(MessageKind.CALL, self._handle_call)
         self.register_handler(MessageKind.PING, lambda request: None, inline=True)
         self.register_handler(

@@ -60,6 +60,7 @@ from ._calls import (
 )
 from ._futures import complete
 from ._remote_exception import pack_exception, rebuild_exception
+from ._riders import MAX_RIDING_REPLY
 from ._worker_info import WorkerInfo
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
     from ._observe import Tracer, WorkerStats
     from ._pool import WorkerPool
     from ._rendezvous import GroupMember
+    from ._riders import Riders
     from ._shared_buffers import SharedBuffers
 
 __all__ = ["MessageDispatcher"]
@@ -111,8 +113,10 @@ class MessageDispatcher:
     _infos: dict[int, WorkerInfo]
     _inflight: int
     _inflight_lock: threading.Lock
+    _unstarted: dict[int, int]
     _serving: dict[tuple[int, int], tuple[MessageKind, Any, float]]
     _pool: WorkerPool
+    riders: Riders
     _last_warning: float
     _suppressed_warnings: int
     shared: SharedBuffers
@@ -159,6 +163,13 @@ class MessageDispatcher:
             self._reply_exception(sender, message_id, exc)  # the error goes back instead
             return
         target = encoded.target
+        if (
+            not encoded.buffers and not target.has_undo
+            and len(encoded.body) <= MAX_RIDING_REPLY
+            and self._unstarted.get(sender) and self._pool.on_pool_thread()
+        ):  # another request of ``sender`` waits: this reply rides on the next message to it
+            self.riders.add_reply(sender, message_id, encoded.body)
+            return
         try:
             if target.has_undo:  # before sending: REPLY_UNDECODED may come at once
                 self._replies_with_forks.remember((sender, message_id), target)
@@ -222,6 +233,9 @@ class MessageDispatcher:
         entry: HandlerEntry,
     ) -> None:
         started = time.time()
+        if message_id:
+            with self._inflight_lock:
+                self._unstarted[sender.id] -= 1
         payload: Any = None
         undecoded: tuple[Hashable, ...] | None = None
         try:
@@ -319,8 +333,11 @@ class MessageDispatcher:
                 riders = decode_riders(frames[-1].buffer)
                 frames = frames[:-1]
                 # handled before the message that carried them, and even if it is refused
-                for kind, body in riders:
-                    self._on_request(kind, header.sender, 0, [body])
+                for kind, rider_id, body in riders:
+                    if rider_id:  # a reply (see _riders)
+                        self._on_response(kind, header.sender, rider_id, [body])
+                    else:
+                        self._on_request(kind, header.sender, 0, [body])
             parts = self.shared.incoming(header, frames)
         except ProtocolError as error:
             pending = self._pending.get(header.message_id)
@@ -355,6 +372,8 @@ class MessageDispatcher:
             self.inbox.stay()  # a request waited while nobody received
         with self._inflight_lock:
             self._inflight += 1
+            if message_id:
+                self._unstarted[sender_rank] = self._unstarted.get(sender_rank, 0) + 1
         self.stats.requests_served[sender_rank] += 1
         if entry.inline:
             self._serve(kind, sender, message_id, parts, entry)
@@ -379,6 +398,7 @@ class MessageDispatcher:
             next_request = None  # its frames (tensor data, mappings) are not kept meanwhile
             if self._pool.has_queued():
                 return  # queued work first: it never waits behind a stream of requests
+            self.riders.settle_owed()  # replies left to ride go before this thread waits
             next_request = self.inbox.serving_turn(self)  # type: ignore[arg-type]
             if next_request is not None:
                 self._pool.started_outside()

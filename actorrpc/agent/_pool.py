@@ -6,7 +6,8 @@ or slow, not merely busy with a burst of short calls). An idle worker holds no
 more threads than it ever needed, and a burst of tiny calls is served by a few
 threads instead of many threads fighting over the GIL. ``maintain()``, called
 by the I/O loop, grows the pool when every thread is blocked and nothing new
-arrives, so queued work never starves.
+arrives, so queued work never starves. A thread runs ``before_wait`` when it
+finds the queue empty, before it blocks on it.
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ STALL_SECONDS = 0.002
 
 
 class WorkerPool:
-    def __init__(self, max_threads: int, name: str) -> None:
+    def __init__(
+        self, max_threads: int, name: str, before_wait: Callable[[], None] = lambda: None
+    ) -> None:
         self._max_threads = max_threads
+        self._before_wait = before_wait
+        self._local = threading.local()  # .member: set on the pool's own threads
         self._name = name
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -69,6 +74,10 @@ class WorkerPool:
     def has_queued(self) -> bool:
         return not self._queue.empty()
 
+    def on_pool_thread(self) -> bool:
+        """Whether the calling thread is one of this pool's."""
+        return getattr(self._local, "member", False)
+
     def started_outside(self) -> None:
         """A busy thread started another task itself (a request its serving turn received)."""
         self._last_start = time.monotonic()
@@ -78,9 +87,17 @@ class WorkerPool:
         return len(self._threads)
 
     def _run(self) -> None:
+        self._local.member = True
         get = self._queue.get
         while True:
-            task = get()
+            try:
+                task = get(False)
+            except queue.Empty:
+                try:
+                    self._before_wait()
+                except BaseException:  # noqa: BLE001 - nor may what runs before a wait
+                    _log.exception("unhandled error before a pool thread waits")
+                task = get()
             if task is None:
                 return
             with self._lock:

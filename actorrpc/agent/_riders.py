@@ -22,6 +22,17 @@ Invariants:
   before the message that carried them (so they are never handled earlier than
   if they had been sent on their own when queued).
 * ``MEMBERSHIP`` messages carry none (they are read before the sender is known).
+
+Replies ride too (:meth:`Riders.add_reply`): a pool thread that answers one of
+a burst of requests while more wait in the pool's queue lets its small reply
+ride on the next message to the caller, usually the burst's last reply, so
+the caller receives one message for the burst instead of one per call. Such a
+reply leaves no later than:
+
+* the moment its thread runs out of queued work (before it blocks on the pool's
+  queue or takes a serving turn on the inbox, :meth:`Riders.settle_owed`), or
+* :data:`REPLY_DELAY` seconds after it was queued (the I/O thread's timed work,
+  woken by then), when its thread went on to a request that runs long.
 """
 
 from __future__ import annotations
@@ -36,24 +47,33 @@ from ..protocol import MessageKind, encode_riders
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["RIDER_DELAY", "Riders"]
+__all__ = ["MAX_RIDING_REPLY", "REPLY_DELAY", "RIDER_DELAY", "Riders"]
 
 RIDER_DELAY = 0.01
 """Most seconds a queued notification waits for a message to ride on."""
 
-_Queued = list[tuple[int, Any]]
+REPLY_DELAY = 0.002
+"""Most seconds a queued reply waits for a message to ride on (the I/O thread looks
+this often anyway while the pool is busy, so keeping it costs no extra wake-up)."""
+
+MAX_RIDING_REPLY = 8192
+"""Largest pickled reply (bytes, with no buffers) that may ride on a later message."""
+
+_Queued = list[tuple[int, int, Any]]  # (kind, message id, payload or a reply's body)
 
 
 class Riders:
-    """The notifications queued for each peer rank, and their statistics."""
+    """The notifications and replies queued for each peer rank, and their statistics."""
 
     def __init__(self, agent: Agent) -> None:
         self._agent = agent
         self._lock = threading.RLock()
         self._queued: dict[int, _Queued] = {}
-        self._since: dict[int, float] = {}  # rank -> when its oldest queued one was queued
+        self._due: dict[int, float] = {}  # rank -> when what is queued for it must leave
+        self._owed = threading.local()  # .ranks: where this thread's queued replies go
         self.carried = 0  # notifications that rode on a message sent anyway (statistics)
         self.sent_alone = 0  # messages sent only to carry notifications that waited
+        self.replies_deferred = 0  # replies that rode on a later message (statistics)
 
     @property
     def pending(self) -> bool:
@@ -63,63 +83,113 @@ class Riders:
     def add(self, rank: int, kind: MessageKind, payload: Any) -> None:
         """Queue a notification of ``kind`` for worker ``rank`` (safe from finalizers)."""
         with self._lock:
-            self._queued.setdefault(rank, []).append((int(kind), payload))
-            self._since.setdefault(rank, time.monotonic())
+            self._queued.setdefault(rank, []).append((int(kind), 0, payload))
+            self._due.setdefault(rank, time.monotonic() + RIDER_DELAY)
+
+    def add_reply(self, rank: int, message_id: int, body: bytes) -> None:
+        """Queue the reply to request ``message_id`` of worker ``rank`` (``body``: its
+        pickled value, no buffers); this thread owes its flush (:meth:`settle_owed`)."""
+        due = time.monotonic() + REPLY_DELAY
+        with self._lock:
+            self._queued.setdefault(rank, []).append((int(MessageKind.RESPONSE), message_id, body))
+            earlier = due < self._due.get(rank, float("inf"))
+            if earlier:
+                self._due[rank] = due
+        owed = getattr(self._owed, "ranks", None)
+        if owed is None:
+            owed = self._owed.ranks = set()
+        owed.add(rank)
+        self.replies_deferred += 1
+        if earlier:  # the I/O thread sends it by then if nothing else does
+            agent = self._agent
+            agent.inbox.wake_io_by(due, agent.wake_inbox)
+
+    def owes(self) -> bool:
+        """Whether this thread queued replies it has not settled yet."""
+        return bool(getattr(self._owed, "ranks", None))
+
+    def settle_owed(self) -> None:
+        """Send the replies this thread queued, on a message of their own where nothing
+        else took them along meanwhile (a thread calls this before it waits for work)."""
+        owed = getattr(self._owed, "ranks", None)
+        if not owed:
+            return
+        ranks = list(owed)
+        owed.clear()
+        for rank in ranks:
+            if rank in self._queued:
+                self._send_alone(rank)
 
     def take(self, rank: int) -> _Queued:
         """Everything queued for ``rank``, to go on a message to it (cheap when nothing is)."""
         if rank not in self._queued:
             return []
         with self._lock:
-            self._since.pop(rank, None)
+            self._due.pop(rank, None)
             return self._queued.pop(rank, [])
 
     def put_back(self, rank: int, queued: _Queued) -> None:
         """The message that was to carry ``queued`` was not sent: they go first next time."""
         if queued:
+            delay = REPLY_DELAY if any(entry[1] for entry in queued) else RIDER_DELAY
             with self._lock:
                 # in place: a finalizer may add to this list while this line runs
                 self._queued.setdefault(rank, [])[:0] = queued
-                self._since.setdefault(rank, time.monotonic())
+                self._due[rank] = min(self._due.get(rank, float("inf")), time.monotonic() + delay)
 
     def drop(self, rank: int) -> None:
         """Worker ``rank`` is gone: nothing queued for it will be sent."""
         with self._lock:
             self._queued.pop(rank, None)
-            self._since.pop(rank, None)
+            self._due.pop(rank, None)
 
     @staticmethod
     def encode(queued: _Queued) -> bytes:
-        """The riders frame for ``queued`` (payloads are plain tuples and lists of scalars)."""
-        return encode_riders([(kind, pickle.dumps(payload, 5)) for kind, payload in queued])
+        """The riders frame for ``queued`` (notification payloads are plain tuples and lists
+        of scalars, pickled here; replies are pickled already)."""
+        return encode_riders([
+            (kind, message_id, payload if message_id else pickle.dumps(payload, 5))
+            for kind, message_id, payload in queued
+        ])
+
+    def seconds_to_due(self, now: float) -> float | None:
+        """Seconds until something queued must leave on a message of its own (None: nothing)."""
+        if not self._queued:
+            return None
+        with self._lock:
+            return min(self._due.values(), default=now) - now
 
     def flush(self, everything: bool = False) -> None:
-        """Send what waited :data:`RIDER_DELAY` (or ``everything``) on messages of their own.
+        """Send what is due (or ``everything``) on messages of their own.
 
         The carrier is a ``PING`` notification (never answered) that takes
         everything queued for its worker along, in order, as any message would.
         """
         if not self._queued:
             return
-        limit = time.monotonic() - RIDER_DELAY
+        now = time.monotonic()
         with self._lock:
-            ranks = [r for r, since in list(self._since.items()) if everything or since <= limit]
-        agent = self._agent
+            ranks = [r for r, due in list(self._due.items()) if everything or due <= now]
         for rank in ranks:
-            if not agent.is_member(rank) or rank in agent.liveness.dead_peers:
-                self.drop(rank)  # it left or stopped answering: nobody to tell
-                continue
-            try:
-                agent.send_notification(rank, MessageKind.PING, ())
-            except Exception as exc:  # noqa: BLE001 - the peer is gone or we are closing
-                with self._lock:
-                    count = len(self._queued.get(rank, ()))
-                self.drop(rank)
-                agent.warn(f"cannot send {count} notifications to worker {rank}: {exc}")
-            else:
-                self.sent_alone += 1
+            self._send_alone(rank)
+
+    def _send_alone(self, rank: int) -> None:
+        agent = self._agent
+        if not agent.is_member(rank) or rank in agent.liveness.dead_peers:
+            self.drop(rank)  # it left or stopped answering: nobody to tell
+            return
+        try:
+            agent.send_notification(rank, MessageKind.PING, ())
+        except Exception as exc:  # noqa: BLE001 - the peer is gone or we are closing
+            with self._lock:
+                count = len(self._queued.get(rank, ()))
+            self.drop(rank)
+            agent.warn(f"cannot send {count} notifications or replies to worker {rank}: {exc}")
+        else:
+            self.sent_alone += 1
 
     def describe(self) -> dict[str, int]:
         with self._lock:
             queued = sum(len(q) for q in list(self._queued.values()))
-        return {"queued": queued, "carried": self.carried, "sent_alone": self.sent_alone}
+        return {"queued": queued, "carried": self.carried, "sent_alone": self.sent_alone,
+                "replies_deferred": self.replies_deferred}

@@ -6,7 +6,6 @@ import time
 from typing import TYPE_CHECKING
 
 from ._pool import STALL_SECONDS
-from ._riders import RIDER_DELAY
 
 if TYPE_CHECKING:
     from ._agent import Agent
@@ -34,9 +33,10 @@ def run_timed_work(agent: Agent) -> None:
 def seconds_to_timed_work(agent: Agent) -> float:
     """How long the I/O thread may wait before :func:`run_timed_work` is due again."""
     limit = _MAX_POLL if agent._pool.idle_or_empty() else STALL_SECONDS
-    if agent.riders.pending:
-        limit = min(limit, RIDER_DELAY)
     now = time.monotonic()
+    riders_due = agent.riders.seconds_to_due(now)
+    if riders_due is not None:
+        limit = min(limit, max(0.0, riders_due))
     held_due = agent.held.seconds_to_due(now)
     if held_due is not None:
         limit = min(limit, held_due)

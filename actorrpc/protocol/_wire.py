@@ -31,7 +31,8 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
 
     offset size field
     0      2    magic       b"AR"
-    2      1    version     PROTOCOL_VERSION (6; 5 pickled every tensor in the
+    2      1    version     PROTOCOL_VERSION (7; 6 had no message id in a
+                            rider and no RESPONSE riders, 5 pickled every tensor in the
                             general form of serialization._tensors, 4 had no
                             REMOTE_CALL_FETCH, 3 had
                             no fifth EXCEPTION field and no REPLY_UNDECODED, 2
@@ -111,13 +112,17 @@ A notification nobody waits for (an RRef user's delete, a segment release)
 need not be a message of its own: the sender may append it to the next message
 it sends to that worker anyway. Then the header has ``FLAG_RIDERS`` set and the
 message's last frame (after the shared-memory index frame, if any) holds one or
-more notifications, each as ``!BI`` (kind, payload length) followed by that many
-payload bytes (the notification's pickled payload). The receiver handles them
-in order, as notifications from the sender (message id 0), before the message
+more entries, each as ``!BQI`` (kind, message id, payload length) followed by
+that many payload bytes. The receiver handles them in order, before the message
 that carried them (even when that message itself is refused). They may ride on
-every kind but ``MEMBERSHIP``. Only ``RREF_USER_DELETE``, ``AUTOGRAD_CLEANUP``,
-``SHM_RELEASE`` and ``REPLY_UNDECODED`` may ride; any other kind makes the message
-malformed.
+every kind but ``MEMBERSHIP``. An entry is either a notification
+(``RREF_USER_DELETE``, ``AUTOGRAD_CLEANUP``, ``SHM_RELEASE`` or
+``REPLY_UNDECODED``; message id 0; its pickled payload) or a ``RESPONSE`` (the
+nonzero message id of the request it answers; the reply's pickled value,
+without buffers): a worker serving a burst of requests from one peer lets the
+small replies of all but the last ride on the next message to that peer
+(usually the burst's last reply). Any other kind, a notification with a message
+id or a response without one makes the message malformed.
 
 Membership messages
 -------------------
@@ -170,7 +175,7 @@ __all__ = [
 ]
 
 MAGIC = b"AR"
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535
@@ -178,7 +183,7 @@ FLAG_SHARED_MEMORY = 1
 FLAG_RIDERS = 4
 FLAG_INLINE_PAYLOAD = 8
 _KNOWN_FLAGS = FLAG_SHARED_MEMORY | FLAG_RIDERS | FLAG_INLINE_PAYLOAD
-_RIDER = struct.Struct("!BI")
+_RIDER = struct.Struct("!BQI")
 
 
 class MessageKind(enum.IntEnum):
@@ -265,38 +270,44 @@ def decode_header(frame: bytes | memoryview) -> Header:
     return Header(message_kind, nbuffers, sender, message_id, flags)
 
 
-_RIDER_KINDS = frozenset({
+_NOTIFICATION_RIDER_KINDS = frozenset({
     MessageKind.RREF_USER_DELETE, MessageKind.AUTOGRAD_CLEANUP, MessageKind.SHM_RELEASE,
     MessageKind.REPLY_UNDECODED,
 })
 
 
-def encode_riders(riders: list[tuple[int, bytes]]) -> bytes:
-    """The frame carrying notifications ``(kind, pickled payload)`` on another message."""
+def encode_riders(riders: list[tuple[int, int, bytes]]) -> bytes:
+    """The frame carrying ``(kind, message id, pickled payload)`` entries on another message."""
     parts: list[bytes] = []
-    for kind, body in riders:
-        parts.append(_RIDER.pack(kind, len(body)))
+    for kind, message_id, body in riders:
+        parts.append(_RIDER.pack(kind, message_id, len(body)))
         parts.append(body)
     return b"".join(parts)
 
 
-def decode_riders(frame: bytes | memoryview) -> list[tuple[MessageKind, memoryview]]:
-    """The notifications in a riders frame, raising :class:`ProtocolError` if malformed."""
+def decode_riders(frame: bytes | memoryview) -> list[tuple[MessageKind, int, memoryview]]:
+    """The entries of a riders frame, raising :class:`ProtocolError` if malformed."""
     view = memoryview(frame)
-    riders: list[tuple[MessageKind, memoryview]] = []
+    riders: list[tuple[MessageKind, int, memoryview]] = []
     offset, end = 0, len(view)
     if not end:
         raise ProtocolError("a message flagged with riders carries an empty riders frame")
     while offset < end:
         if end - offset < _RIDER.size:
             raise ProtocolError("a riders frame ends inside an entry header")
-        kind, length = _RIDER.unpack_from(view, offset)
+        kind, message_id, length = _RIDER.unpack_from(view, offset)
         offset += _RIDER.size
         message_kind = _KIND_BY_VALUE.get(kind)
-        if message_kind not in _RIDER_KINDS:
+        if message_kind is MessageKind.RESPONSE:
+            if not message_id:
+                raise ProtocolError("a response riding on a message has no message id")
+        elif message_kind not in _NOTIFICATION_RIDER_KINDS:
             raise ProtocolError(f"message kind {kind} cannot ride on another message")
+        elif message_id:
+            raise ProtocolError(f"a notification (kind {kind}) riding on a message has "
+                                f"message id {message_id}")
         if length > end - offset:
             raise ProtocolError(f"a rider declares {length} bytes but {end - offset} follow")
-        riders.append((message_kind, view[offset : offset + length]))
+        riders.append((message_kind, message_id, view[offset : offset + length]))
         offset += length
     return riders
