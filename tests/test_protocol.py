@@ -437,6 +437,9 @@ def _dropped_messages(bad: str) -> list[list[bytes]]:
         [header(MessageKind.EXCEPTION, nbuffers=0), payload, b"extra", b"frames"],
         [header(MessageKind.RESPONSE), b"\x80\x05 definitely not a pickle"],
         [inline(MessageKind.RESPONSE, payload)],
+        # ... and riding on such a response (kind 2 with a message id)
+        [riders_header(MessageKind.RESPONSE), payload,
+         encode_riders([(int(MessageKind.RESPONSE), _BIG_ID + 3, payload)])],
         [_RAW.pack(b"AR", _V, 1, FLAG_INLINE_PAYLOAD, 0, 1, _BIG_ID)],  # inline, but empty
         [_RAW.pack(b"AR", _V, 1, FLAG_INLINE_PAYLOAD | FLAG_RIDERS, 0, 1, _BIG_ID) + payload],
         [inline(MessageKind.CALL, payload, sender=2)],  # claims rank 2

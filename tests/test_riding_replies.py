@@ -10,8 +10,12 @@ and a request that runs long never holds back the replies queued before it.
 
 from __future__ import annotations
 
+import collections
+import json
+import textwrap
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,6 +26,7 @@ from actorrpc.agent._pool import WorkerPool
 from actorrpc.agent._riders import REPLY_DELAY, RIDER_DELAY, Riders
 from actorrpc.protocol import MessageKind, decode_riders
 
+from ._cluster import run_script
 from ._waiting import wait_for, wait_until
 
 WAIT = 20.0
@@ -36,6 +41,7 @@ class _StubAgent:
         self.wake_requests: list[float] = []
         self.warnings: list[str] = []
         self.liveness = SimpleNamespace(dead_peers={})
+        self.stats = SimpleNamespace(bytes_out=collections.Counter())
         self.inbox = SimpleNamespace(wake_io_by=lambda when, _: self.wake_requests.append(when))
         self.riders: Riders | None = None
 
@@ -133,18 +139,23 @@ def test_replies_to_a_worker_that_left_are_dropped_with_no_send() -> None:
     assert agent.carriers == [] and not riders.pending
 
 
-def test_a_pool_thread_runs_before_wait_before_it_blocks_on_an_empty_queue() -> None:
-    waits: list[bool] = []
+def test_a_pool_thread_runs_before_wait_while_busy_before_it_blocks_and_exits() -> None:
+    waits: list[tuple[bool, int]] = []
     ran = threading.Event()
-    pool = WorkerPool(2, "riding-test", before_wait=lambda: waits.append(pool.on_pool_thread()))
+    pool = WorkerPool(
+        2, "riding-test", before_wait=lambda: waits.append((pool.on_pool_thread(), pool.busy))
+    )
     try:
         assert not pool.on_pool_thread()
         pool.submit(ran.set)
         assert ran.wait(WAIT)
-        assert wait_until(lambda: waits, WAIT)  # the queue is empty after the task
-        assert all(waits)
+        # after its task, with the queue empty, while still counted busy (a send that
+        # blocks there must not make the pool look idle), then again before blocking
+        assert wait_until(lambda: len(waits) >= 2, WAIT), waits
+        assert waits[:2] == [(True, 1), (True, 0)]
     finally:
         pool.close()
+    assert waits[-1] == (True, 0) and len(waits) == 3  # and once more as it exits
 
 
 # --- end to end, on the session cluster ---------------------------------------------------
@@ -152,6 +163,16 @@ def test_a_pool_thread_runs_before_wait_before_it_blocks_on_an_empty_queue() -> 
 
 def plus_one(value: int) -> int:
     return value + 1
+
+
+def hold_gil(count: int) -> int:
+    """Holds the GIL throughout: one C call (no bytecode runs, so no switch interval)."""
+    return sum(range(count))
+
+
+def nap(seconds: float) -> float:
+    threading.Event().wait(seconds)  # lets the GIL go
+    return seconds
 
 
 def _replies_deferred(worker: str) -> int:
@@ -180,3 +201,68 @@ def test_a_request_that_runs_long_does_not_hold_back_replies_queued_before_it() 
         assert fast.wait() == 2
         assert not slow.done(), "a reply waited for the request after it"
         slow.wait()
+
+
+@pytest.mark.usefixtures("cluster")
+def test_a_lone_call_is_answered_at_once_never_queued() -> None:
+    before = _replies_deferred("worker2")
+    for i in range(30):
+        assert rpc.rpc_sync("worker2", plus_one, args=(i,)) == i + 1
+    assert _replies_deferred("worker2") == before
+
+
+# One worker with one pool thread, so that the thread that queued a reply is the one that
+# runs the next request: it must send the reply first when that request may hold the GIL,
+# and the I/O thread must send it when the request only waits.
+_ONE_THREAD_SCRIPT = textwrap.dedent(
+    """
+    import json, os, secrets, subprocess, sys
+    import actorrpc as rpc
+    from actorrpc._ports import free_ports
+    from tests.test_riding_replies import hold_gil, nap, plus_one
+
+    init_method = "tcp://127.0.0.1:%d" % free_ports("127.0.0.1", 1)[0]
+    os.environ["ACTORRPC_SECRET"] = secrets.token_hex(16)
+    worker = subprocess.Popen([sys.executable, "-m", "actorrpc._serve", "--rank", "1",
+                               "--world-size", "2", "--init-method", init_method,
+                               "--threads", "1"])
+    rpc.init_rpc("driver", rank=0, world_size=2,
+                 rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=init_method))
+
+    def deferred():
+        return rpc.get_worker_stats("worker1")["notifications"]["replies_deferred"]
+
+    def pairs(first, then):
+        # until the first reply was queued (its request's successor arrived in time)
+        outcomes = []
+        for _ in range(12):
+            before = deferred()
+            quick = rpc.rpc_async("worker1", *first)
+            slow = rpc.rpc_async("worker1", *then)
+            quick.wait()
+            outcomes.append(not slow.done())  # the quick reply did not wait for it
+            slow.wait()
+            if deferred() > before:
+                return outcomes, True
+        return outcomes, False
+
+    result = {
+        "hold_gil": pairs((plus_one, (1,)), (hold_gil, (30_000_000,))),
+        "nap": pairs((nap, (0.0,)), (nap, (0.6,))),
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    rpc.shutdown()
+    worker.wait(30)
+    """
+)
+
+
+@pytest.mark.timeout(180)
+def test_a_queued_reply_never_waits_for_the_next_request(tmp_path: Path) -> None:
+    output = run_script(tmp_path, _ONE_THREAD_SCRIPT, timeout=170)
+    line = next(text for text in output.splitlines() if text.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    for case in ("hold_gil", "nap"):
+        outcomes, was_queued = result[case]
+        assert all(outcomes), f"{case}: a reply waited for the request after it: {outcomes}"
+        assert was_queued, f"{case}: no reply was ever queued ({len(outcomes)} tries)"

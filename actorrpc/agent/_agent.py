@@ -7,7 +7,9 @@ Threads and hand-offs (see ``docs/performance.md``):
 * The callee's I/O thread receives, decodes the header and hands the message to
   a pool thread, or runs it inline when its handler was registered ``inline``
   (control messages that never block). The pool thread runs the function and
-  sends the reply itself on its DEALER link to the caller's inbox.
+  sends the reply itself on its DEALER link to the caller's inbox (or, while
+  more requests of that caller wait, queues it to ride on the next message to
+  it: ``_riders``).
 * On the caller, a thread waiting on its future receives on the inbox itself
   when the inbox is free (``_inbox``: no wake-up by the I/O thread); otherwise
   the I/O thread completes the future, waking the waiting thread.
@@ -540,9 +542,12 @@ class Agent(MessageDispatcher):
             flags |= FLAG_RIDERS
         try:
             link.send([encode_header(kind, len(buffers), self.rank, message_id, flags), *frames])
-        except Exception:  # not sent (an interrupt may come after it left: nothing is undone)
+        except Exception:  # not sent
             shared.take_back(lent, member.rank)
             riders.put_back(member.rank, carried)
+            raise
+        except BaseException:  # an interrupt may come after it left: only replies go again
+            riders.put_back(member.rank, [r for r in carried if r[1]])  # (a copy is dropped)
             raise
         if message_id or kind != MessageKind.PING:  # not a flush's carrier (``sent_alone``)
             riders.carried += len(carried)

@@ -235,7 +235,7 @@ class MessageDispatcher:
         started = time.time()
         if message_id:
             with self._inflight_lock:
-                self._unstarted[sender.id] -= 1
+                self._unstarted[sender.id] = self._unstarted.get(sender.id, 1) - 1
         payload: Any = None
         undecoded: tuple[Hashable, ...] | None = None
         try:
@@ -247,9 +247,16 @@ class MessageDispatcher:
                     raise
             if message_id:  # what shutdown names if it gives up waiting for it
                 self._serving[(sender.id, message_id)] = (kind, payload, started)
-            for waiter in source.pending:
-                waiter.wait()
+            first = payload[0] if type(payload) is tuple and payload else None
+            if source.pending:  # it waits: replies this thread queued go first
+                self.riders.settle_owed()
+                for waiter in source.pending:
+                    waiter.wait()
+            else:
+                self.riders.before_request(kind, first)
+            cpu_started = time.thread_time()  # (time it holds the GIL, not time it waits)
             outcome = entry.handler(IncomingRequest(kind, sender, message_id, payload))
+            self.riders.after_request(kind, first, time.thread_time() - cpu_started)
         except BaseException as exc:  # noqa: BLE001 - every failure is answered
             outcome = Failure(exc, undecoded)
         if self.tracer.enabled:  # recorded before the reply leaves: a trace stopped after

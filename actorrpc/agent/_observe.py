@@ -178,7 +178,8 @@ def worker_snapshot(agent: Agent) -> dict[str, Any]:
         "busy_poll_contended": agent._transport.busy_poll_contended,  # misses: core shared
         # libzmq's I/O threads: "batch" / "default" policy, times batch was given up
         "batch_scheduling": agent.batch_scheduling.describe(),
-        "notifications": agent.riders.describe(),  # queued, carried on messages, sent alone
+        # riders: queued, carried on messages, carriers sent alone, replies queued to ride
+        "notifications": agent.riders.describe(),
     }
     for name, extension in agent.extensions.items():
         describe = getattr(extension, "debug_info", None)

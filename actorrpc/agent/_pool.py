@@ -7,7 +7,8 @@ more threads than it ever needed, and a burst of tiny calls is served by a few
 threads instead of many threads fighting over the GIL. ``maintain()``, called
 by the I/O loop, grows the pool when every thread is blocked and nothing new
 arrives, so queued work never starves. A thread runs ``before_wait`` when it
-finds the queue empty, before it blocks on it.
+finds the queue empty after a task (still counted busy), again before it blocks on
+the queue, and before it exits.
 """
 
 from __future__ import annotations
@@ -93,12 +94,10 @@ class WorkerPool:
             try:
                 task = get(False)
             except queue.Empty:
-                try:
-                    self._before_wait()
-                except BaseException:  # noqa: BLE001 - nor may what runs before a wait
-                    _log.exception("unhandled error before a pool thread waits")
+                self._run_before_wait()  # (usually done already, while counted busy)
                 task = get()
             if task is None:
+                self._run_before_wait()
                 return
             with self._lock:
                 self._idle -= 1
@@ -112,9 +111,17 @@ class WorkerPool:
             finally:
                 # an idle thread must not keep its last request (and the tensors in it) alive
                 task = fn = args = None  # type: ignore[assignment]
+                if self._queue.empty():  # still counted busy: a send that blocks grows the pool
+                    self._run_before_wait()
                 with self._lock:
                     self._idle += 1
                     self.busy -= 1
+
+    def _run_before_wait(self) -> None:
+        try:
+            self._before_wait()
+        except BaseException:  # noqa: BLE001 - nor may what runs before a wait
+            _log.exception("unhandled error before a pool thread waits")
 
     def close(self, timeout: float = 5.0) -> None:
         with self._lock:

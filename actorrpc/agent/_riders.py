@@ -24,15 +24,20 @@ Invariants:
 * ``MEMBERSHIP`` messages carry none (they are read before the sender is known).
 
 Replies ride too (:meth:`Riders.add_reply`): a pool thread that answers one of
-a burst of requests while more wait in the pool's queue lets its small reply
-ride on the next message to the caller, usually the burst's last reply, so
+a burst of requests while another request of the same caller waits lets its small
+reply ride on the next message to that caller, usually the burst's last reply, so
 the caller receives one message for the burst instead of one per call. Such a
 reply leaves no later than:
 
 * the moment its thread runs out of queued work (before it blocks on the pool's
   queue or takes a serving turn on the inbox, :meth:`Riders.settle_owed`), or
-* :data:`REPLY_DELAY` seconds after it was queued (the I/O thread's timed work,
-  woken by then), when its thread went on to a request that runs long.
+* the moment its thread starts a request that is not known to be quick, that
+  is, not of the kind and function of the last request it ran, or whose last run
+  took :data:`QUICK_REQUEST` seconds of CPU or more (:meth:`Riders.before_request`):
+  a request that holds the GIL would keep every other thread from sending it; or
+* :data:`REPLY_DELAY` seconds after it was queued, when its thread went on to a
+  quick request that turned out slow (the I/O thread's timed work, woken by then,
+  as soon as it gets the GIL).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+import types
 from typing import TYPE_CHECKING, Any
 
 from ..protocol import MessageKind, encode_riders
@@ -47,14 +53,22 @@ from ..protocol import MessageKind, encode_riders
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["MAX_RIDING_REPLY", "REPLY_DELAY", "RIDER_DELAY", "Riders"]
+__all__ = ["MAX_RIDING_REPLY", "QUICK_REQUEST", "REPLY_DELAY", "RIDER_DELAY", "Riders"]
 
 RIDER_DELAY = 0.01
 """Most seconds a queued notification waits for a message to ride on."""
 
 REPLY_DELAY = 0.002
-"""Most seconds a queued reply waits for a message to ride on (the I/O thread looks
-this often anyway while the pool is busy, so keeping it costs no extra wake-up)."""
+"""Most seconds a queued reply waits for a message to ride on while its thread runs a
+request (the I/O thread looks this often anyway while the pool has queued work)."""
+
+QUICK_REQUEST = 0.001
+"""A thread keeps the replies it queued while it runs a request of the kind and
+function of the last one it ran only when that one took less than this many seconds
+of CPU (while a thread computes, others wait for the GIL; while it sleeps or waits,
+the I/O thread can send the replies)."""
+
+_FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType)
 
 MAX_RIDING_REPLY = 8192
 """Largest pickled reply (bytes, with no buffers) that may ride on a later message."""
@@ -70,14 +84,16 @@ class Riders:
         self._lock = threading.RLock()
         self._queued: dict[int, _Queued] = {}
         self._due: dict[int, float] = {}  # rank -> when what is queued for it must leave
-        self._owed = threading.local()  # .ranks: where this thread's queued replies go
+        # per thread: .ranks, where its queued replies go; .quick, (kind, function) of the
+        # last request it ran if that was quick
+        self._owed = threading.local()
         self.carried = 0  # notifications that rode on a message sent anyway (statistics)
         self.sent_alone = 0  # messages sent only to carry notifications that waited
-        self.replies_deferred = 0  # replies that rode on a later message (statistics)
+        self.replies_deferred = 0  # replies queued to ride on a later message (statistics)
 
     @property
     def pending(self) -> bool:
-        """Whether any notification is queued (read without the lock: a hint)."""
+        """Whether any notification or reply is queued (read without the lock: a hint)."""
         return bool(self._queued)
 
     def add(self, rank: int, kind: MessageKind, payload: Any) -> None:
@@ -95,14 +111,29 @@ class Riders:
             earlier = due < self._due.get(rank, float("inf"))
             if earlier:
                 self._due[rank] = due
+            self.replies_deferred += 1
         owed = getattr(self._owed, "ranks", None)
         if owed is None:
             owed = self._owed.ranks = set()
         owed.add(rank)
-        self.replies_deferred += 1
+        agent = self._agent
+        agent.stats.bytes_out[rank] += len(body)
         if earlier:  # the I/O thread sends it by then if nothing else does
-            agent = self._agent
             agent.inbox.wake_io_by(due, agent.wake_inbox)
+
+    def before_request(self, kind: int, first: Any) -> None:
+        """This thread is about to run a request of ``kind`` whose payload starts with
+        ``first``: the replies it queued go now unless the request is known to be quick."""
+        owed = getattr(self._owed, "ranks", None)
+        if owed and getattr(self._owed, "quick", None) != (kind, id(first)):
+            self.settle_owed()
+
+    def after_request(self, kind: int, first: Any, seconds: float) -> None:
+        """This thread ran a request of ``kind`` whose payload starts with ``first`` (the
+        function, for a call) in ``seconds`` of its CPU time."""
+        quick = seconds < QUICK_REQUEST and type(first) in _FUNCTION_TYPES
+        # (an id: the thread keeps nothing of the request alive; a function's is stable)
+        self._owed.quick = (kind, id(first)) if quick else None
 
     def owes(self) -> bool:
         """Whether this thread queued replies it has not settled yet."""
@@ -131,11 +162,15 @@ class Riders:
     def put_back(self, rank: int, queued: _Queued) -> None:
         """The message that was to carry ``queued`` was not sent: they go first next time."""
         if queued:
-            delay = REPLY_DELAY if any(entry[1] for entry in queued) else RIDER_DELAY
+            replies = any(entry[1] for entry in queued)
+            due = time.monotonic() + (REPLY_DELAY if replies else RIDER_DELAY)
             with self._lock:
                 # in place: a finalizer may add to this list while this line runs
                 self._queued.setdefault(rank, [])[:0] = queued
-                self._due[rank] = min(self._due.get(rank, float("inf")), time.monotonic() + delay)
+                self._due[rank] = min(self._due.get(rank, float("inf")), due)
+            if replies:
+                agent = self._agent
+                agent.inbox.wake_io_by(due, agent.wake_inbox)
 
     def drop(self, rank: int) -> None:
         """Worker ``rank`` is gone: nothing queued for it will be sent."""

@@ -97,7 +97,7 @@ def _wait_idle(agent: Agent, deadline: float, problems: list[str]) -> None:
         unfinished.append(f"{agent._inflight} requests being served{names}{more}")
     queued = agent.riders.describe()["queued"]
     if queued:
-        unfinished.append(f"{queued} notifications queued")
+        unfinished.append(f"{queued} notifications or replies queued")
     problems.append("work still pending: " + ", ".join(unfinished))
 
 
@@ -141,3 +141,4 @@ def stop_threads(agent: Agent) -> None:
             _log.debug("%s: queued work failed while closing", agent.name, exc_info=True)
     agent.riders.flush(everything=True)
     agent._pool.close()
+    agent.riders.flush(everything=True)  # replies queued by requests that ended meanwhile
