@@ -758,6 +758,33 @@ def test_owner_state_wait_timeout_and_error() -> None:
         state.wait(1)
 
 
+
+def test_owner_state_runs_callbacks_once_whether_added_before_or_after() -> None:
+    state = OwnerState(GloballyUniqueId(0, 2))
+    calls: list[str] = []
+    state.when_ready(lambda: calls.append("early"))
+    assert calls == [] and not state.is_ready() and state.error() is None
+    state.set_value("v")
+    state.set_value("ignored")  # first completion wins
+    state.set_error(KeyError("ignored"))
+    state.when_ready(lambda: calls.append("late"))  # done: runs at once
+    assert calls == ["early", "late"]
+    assert state.is_ready() and state.wait(0) == "v" and state.type_name == "str"
+
+
+def test_owner_state_wait_blocks_until_another_thread_sets_the_value() -> None:
+    import threading
+
+    state = OwnerState(GloballyUniqueId(0, 3))
+    results: list[Any] = []
+    waiter = threading.Thread(target=lambda: results.append(state.wait(30)))
+    waiter.start()
+    # the waiter made its event, or is about to: either way set_value releases it
+    state.set_value(42)
+    waiter.join(30)
+    assert results == [42] and not waiter.is_alive()
+    assert state.wait(0) == 42  # done: no event needed
+
 # -- random scenarios with hypothesis -------------------------------------------------------
 
 

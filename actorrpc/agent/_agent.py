@@ -39,7 +39,6 @@ from ..errors import (
     NotInitializedError,
     PeerUnreachableError,
     ShutdownError,
-    WorkerLeftError,
 )
 from ..protocol import FLAG_RIDERS, Header, MessageKind, encode_header, encode_inline
 from ..serialization import PickleTarget, dumps, pickling_for
@@ -311,25 +310,6 @@ class Agent(MessageDispatcher):
     def _on_membership(self, identity: bytes, header: Header, frames: list[Any]) -> None:
         handle_membership(self, identity, header, frames)
 
-    def forget_member(self, rank: int) -> None:
-        """A dynamic group's member left: fail what waits on it, drop its link."""
-        for message_id, pending in list(self._pending.items()):
-            if pending.dest.id == rank:
-                self._fail_pending(
-                    message_id,
-                    WorkerLeftError(
-                        f"{pending.description or 'call'} on {pending.dest!r} failed: the "
-                        "worker left the group before answering"
-                    ),
-                )
-        member = self.members.remove(rank)
-        self.liveness.forget(rank)
-        self.shared.peer_gone(rank)
-        self.riders.drop(rank)
-        self._credits.forget(rank)
-        if member is not None:
-            self._transport.drop_link(member.identity)
-
     # -- sending ----------------------------------------------------------------------------
 
     def effective_timeout(self, timeout: float) -> float:
@@ -465,7 +445,11 @@ class Agent(MessageDispatcher):
     ) -> tuple[CallRecord, Callable[[Any], Any] | None]:
         """Run every hook's ``before_send``; return the call and the reply transform."""
         record = CallRecord(dest, {}, args, kwargs)
-        transforms = [t for t in (hook.before_send(record) for hook in self._hooks) if t]
+        transforms = []
+        for hook in self._hooks:  # (a loop: no generator frames on every call)
+            transform = hook.before_send(record)
+            if transform is not None:
+                transforms.append(transform)
         return record, compose_reply_transforms(transforms)
 
     def call(

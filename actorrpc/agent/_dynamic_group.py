@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from ..errors import ActorRpcError, ProtocolError, RendezvousError
+from ..errors import ActorRpcError, ProtocolError, RendezvousError, WorkerLeftError
 from ..protocol import Header, MessageKind
 from ..serialization import dumps
 from ._rendezvous import (
@@ -59,7 +59,10 @@ from ._rendezvous import (
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["DynamicRendezvous", "handle_membership", "join_dynamic_group", "leave_dynamic_group"]
+__all__ = [
+    "DynamicRendezvous", "forget_member", "handle_membership", "join_dynamic_group",
+    "leave_dynamic_group",
+]
 
 _log = logging.getLogger("actorrpc.agent")
 _PREFIX = "actorrpc/dynamic/"
@@ -270,7 +273,7 @@ def join_dynamic_group(agent: Agent, rdzv: DynamicRendezvous) -> None:
             # a worker that died without leaving keeps its name until someone notices
             probe = {holder.rank: _announce(agent, holder, "probe", deadline)}
             if _answered(probe)[0]:
-                agent.forget_member(holder.rank)
+                forget_member(agent, holder.rank)
                 raise RendezvousError(
                     f"worker name {agent.name!r} is not unique: rank {holder.rank} of the "
                     "running group uses it"
@@ -295,7 +298,7 @@ def _drop_silent(
         agent.name, members[rank].name, rank,
     )
     del members[rank]
-    agent.forget_member(rank)
+    forget_member(agent, rank)
     rdzv.release_rank(rank)
 
 
@@ -369,14 +372,35 @@ def handle_membership(agent: Agent, identity: bytes, header: Header, frames: lis
     if op == "join":
         for rank in message.get("dropped", []):
             if isinstance(rank, int) and rank not in (agent.rank, sender.rank):
-                agent.forget_member(rank)
+                forget_member(agent, rank)
         agent.members.add(sender)
         agent.liveness.forget(sender.rank)
         _log.info("%s: worker %r (rank %d) joined", agent.name, sender.name, sender.rank)
     elif op == "leaving":
         agent.members.mark_leaving(sender.rank)
     elif op == "left":
-        agent.forget_member(sender.rank)
+        forget_member(agent, sender.rank)
         _log.info("%s: worker %r (rank %d) left", agent.name, sender.name, sender.rank)
         return
     agent.send_to(sender, MessageKind.RESPONSE, header.message_id, *dumps(None, "result"))
+
+
+def forget_member(agent: Agent, rank: int) -> None:
+    """A dynamic group's member left: fail what waits on it, drop its link."""
+    for message_id, pending in list(agent._pending.items()):
+        if pending.dest.id == rank:
+            agent._fail_pending(
+                message_id,
+                WorkerLeftError(
+                    f"{pending.description or 'call'} on {pending.dest!r} failed: the "
+                    "worker left the group before answering"
+                ),
+            )
+    member = agent.members.remove(rank)
+    agent.liveness.forget(rank)
+    agent.shared.peer_gone(rank)
+    agent.riders.drop(rank)
+    agent._credits.forget(rank)
+    agent._unstarted.pop(rank, None)
+    if member is not None:
+        agent._transport.drop_link(member.identity)

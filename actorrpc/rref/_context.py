@@ -189,18 +189,21 @@ def wait_result(future: torch.futures.Future[Any]) -> Any:
 class OwnerState:
     """The value held by an owner RRef, or the error that creating it raised.
 
-    ``ready`` completes with ``None`` once either is set (a signal only: the
-    value and error live in plain attributes, so no exception is ever stored in
-    a future, see :func:`copy_exception`). Also holds the per-caller FIFO
-    queues of actor calls on this value (``actor_queues``, managed by
+    Completion is a flag set under a lock; callbacks waiting for it
+    (:meth:`when_ready`) run once it is set, and a thread that must block
+    (:meth:`wait` before completion) gets an event made for it then. The common
+    path (created, then fetched) makes no future, event or condition: each is a
+    torch or threading call costly on a cold cache. Also holds the per-caller
+    FIFO queues of actor calls on this value (``actor_queues``, managed by
     ``_proxy.py``), so they live exactly as long as the value can be called.
     """
 
     def __init__(self, rref_id: GloballyUniqueId, type_name: str = "") -> None:
         self.rref_id = rref_id
-        self.ready: torch.futures.Future[None] = torch.futures.Future()
-        self._event = threading.Event()
         self._set_lock = threading.Lock()
+        self._done = False
+        self._callbacks: list[Callable[[], None]] = []  # run once done (see when_ready)
+        self._event: threading.Event | None = None  # made for a thread that waits early
         self._value: Any = None
         self._error: BaseException | None = None
         self.type_name = type_name
@@ -210,12 +213,12 @@ class OwnerState:
     def set_value(self, value: Any) -> None:
         """Complete with ``value`` (the first completion wins)."""
         with self._set_lock:
-            if self._event.is_set():
+            if self._done:
                 return
             self._value = value
             self.type_name = type(value).__qualname__
-            self._event.set()
-        self.ready.set_result(None)
+            waiting = self._mark_done()
+        self._wake(*waiting)
 
     def set_error(self, error: BaseException) -> None:
         """Complete with ``error`` (the first completion wins).
@@ -224,19 +227,45 @@ class OwnerState:
         frames would otherwise live as long as this state.
         """
         with self._set_lock:
-            if self._event.is_set():
+            if self._done:
                 return
             self._error = detached_exception(error)
-            self._event.set()
-        self.ready.set_result(None)
+            waiting = self._mark_done()
+        self._wake(*waiting)
+
+    def _mark_done(self) -> tuple[threading.Event | None, list[Callable[[], None]]]:
+        """(Under the lock, after the value or error is set.) Done; who waits for it."""
+        self._done = True
+        callbacks, self._callbacks = self._callbacks, []
+        return self._event, callbacks
+
+    @staticmethod
+    def _wake(event: threading.Event | None, callbacks: list[Callable[[], None]]) -> None:
+        if event is not None:
+            event.set()
+        for callback in callbacks:
+            callback()
+
+    def when_ready(self, callback: Callable[[], None]) -> None:
+        """Run ``callback()`` once the value or error is set (now, if it is)."""
+        with self._set_lock:
+            if not self._done:
+                self._callbacks.append(callback)
+                return
+        callback()
 
     def wait(self, timeout: float) -> Any:
         """The value (or raise a copy of its error); ``timeout <= 0`` waits forever."""
-        if not self._event.wait(timeout if timeout > 0 else None):
-            raise RpcTimeoutError(
-                f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) waiting for "
-                f"the value of RRef {self.rref_id!r} to be created"
-            )
+        if not self._done:
+            with self._set_lock:
+                if not self._done and self._event is None:
+                    self._event = threading.Event()
+                event = self._event
+            if event is not None and not event.wait(timeout if timeout > 0 else None):
+                raise RpcTimeoutError(
+                    f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) waiting for "
+                    f"the value of RRef {self.rref_id!r} to be created"
+                )
         if self._error is not None:
             raise copy_exception(self._error)
         return self._value
@@ -246,7 +275,7 @@ class OwnerState:
         return self._error
 
     def is_ready(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
 
 class RRefContext:

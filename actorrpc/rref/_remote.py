@@ -380,7 +380,7 @@ def _handle_fetch(agent: Agent, request: IncomingRequest) -> Any:
     fetch = _Fetch(agent, request, meta, state, reply)
     if not state.is_ready() and limit > 0:
         fetch.timer = _timers.call_later(limit, lambda: fetch.expire(limit))
-    state.ready.add_done_callback(fetch.deliver)
+    state.when_ready(fetch.deliver)
     return reply
 
 
