@@ -141,3 +141,60 @@ def test_rpc_sync_from_a_then_callback_refuses_to_deadlock(cluster: list[str]) -
 
     rpc.rpc_async("worker1", _sleep_then, args=(0, 0.0)).then(nested).wait()
     assert outcome and "would deadlock" in str(outcome[0])
+
+
+def test_callbacks_run_once_in_order_whether_added_before_or_after_completion(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    result: CallResult[int] = CallResult("call")
+    seen: list[tuple[str, int]] = []
+
+    def failing(_: CallResult[int]) -> None:
+        raise ValueError("a callback's own error")
+
+    result.add_done_callback(lambda r: seen.append(("first", r.wait())))
+    result.add_done_callback(failing)  # logged, as torch does, and the others still run
+    result.add_done_callback(lambda r: seen.append(("second", r.wait())))
+    assert seen == []
+    complete(result, 7)
+    result.add_done_callback(lambda r: seen.append(("late", r.wait())))
+    assert seen == [("first", 7), ("second", 7), ("late", 7)]
+    assert "a CallResult callback failed" in caplog.text
+
+
+def _race_callbacks_with_completion() -> list[int]:
+    result: CallResult[None] = CallResult("call")
+    runs: list[int] = []
+    barrier = threading.Barrier(3)
+
+    def add(base: int) -> None:
+        barrier.wait()
+        for i in range(base, base + 20):
+            result.add_done_callback(lambda _, i=i: runs.append(i))
+
+    def finish() -> None:
+        barrier.wait()
+        complete(result, None)
+
+    threads = [threading.Thread(target=add, args=(0,)), threading.Thread(target=add, args=(20,)),
+               threading.Thread(target=finish)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return runs
+
+
+def test_callbacks_added_while_another_thread_completes_each_run_exactly_once() -> None:
+    for _ in range(50):
+        assert sorted(_race_callbacks_with_completion()) == list(range(40))
+
+
+def test_remote_makes_its_torch_future_only_when_asked_and_the_same_each_time(
+    cluster: list[str],
+) -> None:
+    rref = rpc.remote("worker1", _sleep_then, args=(5, 0.0))
+    assert isinstance(rref._creation_future, CallResult)
+    future = rref._get_future()
+    assert isinstance(future, torch.futures.Future) and future is rref._get_future()
+    assert future.wait() is None and rref.to_here() == 5

@@ -10,7 +10,7 @@ from ._agent import (
     set_current_agent,
 )
 from ._calls import EncodedReply, encode_reply, run_user_function
-from ._futures import Future, complete
+from ._futures import CallResult, Future, complete
 from ._options import (
     DEFAULT_INIT_METHOD,
     DEFAULT_NUM_WORKER_THREADS,
@@ -32,6 +32,7 @@ __all__ = [
     "BackendType",
     "CallHook",
     "CallRecord",
+    "CallResult",
     "EncodedReply",
     "Future",
     "IncomingRequest",

@@ -462,10 +462,12 @@ class Agent(MessageDispatcher):
         kind: MessageKind = MessageKind.CALL,
         extra: tuple[Any, ...] = (),
         hold: bool = False,
-    ) -> Future[Any]:
+        make: Callable[[Any, Agent], Any] = Future,
+    ) -> Any:
         """Run ``func(*args, **kwargs)`` on ``dest``; ``extra`` fields follow the meta dict
-        (``hold``: see :meth:`send_request`)."""
-        return self._call(Future, dest, func, args, kwargs, timeout, kind, extra, hold)
+        (``hold``: see :meth:`send_request`). Returns a :class:`Future`, or what ``make``
+        makes (:class:`CallResult` where nobody else will see it)."""
+        return self._call(make, dest, func, args, kwargs, timeout, kind, extra, hold)
 
     def call_and_wait(
         self, dest: WorkerInfo, func: Callable[..., Any], args: tuple[Any, ...],

@@ -9,8 +9,9 @@ fails instead of blocking forever when the agent that should complete it dies.
 from __future__ import annotations
 
 import _thread
+import logging
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -21,6 +22,7 @@ __all__ = ["CallResult", "Completion", "Future", "complete"]
 
 T = TypeVar("T")
 
+_log = logging.getLogger("actorrpc.agent")
 _LIVENESS_CHECK_INTERVAL = 1.0
 _init_torch_future = torch._C.Future.__init__
 
@@ -151,6 +153,27 @@ class CallResult(Completion, Generic[T]):
         self._init_completion(description, agent)
         self._value: Any = None
         self._claim = _thread.allocate_lock()  # taken by the one completion (as torch's raises)
+        self._callbacks: list[Callable[[CallResult[T]], None]] = []
+
+    def add_done_callback(self, callback: Callable[[CallResult[T]], None]) -> None:
+        """Run ``callback(self)`` once completed (at once if it is), as torch's futures do."""
+        self._callbacks.append(callback)
+        if self.done():
+            self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
+        # each callback is popped by exactly one thread (the completing one, or one adding
+        # a callback after completion), in the order they were added
+        callbacks = self._callbacks
+        while callbacks:
+            try:
+                callback = callbacks.pop(0)
+            except IndexError:
+                return
+            try:
+                callback(self)
+            except Exception:  # noqa: BLE001 - as torch: a callback's error is only logged
+                _log.exception("a CallResult callback failed")
 
     def set_result(self, value: Any) -> None:
         self._take_claim()
@@ -205,6 +228,8 @@ def complete(future: Completion, value: Any = None, error: BaseException | None 
     except RuntimeError:
         return  # a racing path completed it first and opened the gate
     future._gate.release()
+    if type(future) is CallResult and future._callbacks:
+        future._run_callbacks()
     agent = future._agent
     if agent is not None:
         if future._blocked:

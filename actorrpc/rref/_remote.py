@@ -14,6 +14,7 @@ import torch
 
 from ..agent import (
     Agent,
+    CallResult,
     IncomingRequest,
     current_agent,
     encode_reply,
@@ -39,6 +40,10 @@ from ._rref import RRef, _reduce_rref, creation_timeout_error, rref_context, sen
 __all__ = ["debug_info", "remote"]
 
 _log = logging.getLogger("actorrpc.rref")
+
+# What remote()'s creation completes: a CallResult (no torch future; RRef._get_future()
+# makes one only when asked).
+_CREATION_RESULT: Any = CallResult
 
 
 def remote(
@@ -79,7 +84,7 @@ def remote(
         rref = RRef._make_owner(agent, state)
         try:
             future = agent.call(dest, func, args, kwargs, timeout, MessageKind.REMOTE_CALL,
-                                (rref_id, None))
+                                (rref_id, None), make=_CREATION_RESULT)
         except BaseException:
             ctx.release_if_unforked(rref_id)
             raise
@@ -92,13 +97,14 @@ def remote(
     try:
         # held back a moment: a to_here() right after goes with it (agent/_held.py)
         future = agent.call(dest, func, args, kwargs, timeout, MessageKind.REMOTE_CALL,
-                            (rref_id, fork_id), hold=agent.held.may_hold())
+                            (rref_id, fork_id), hold=agent.held.may_hold(),
+                            make=_CREATION_RESULT)
     except BaseException:
         ctx.forget_pending_user(fork_id)  # never sent: the owner must not hear of it
         raise
     rref._creation_future = future
 
-    def created(done: torch.futures.Future[Any]) -> None:
+    def created(done: Any) -> None:
         # The function's own error (also kept by the owner), or a failure of the call
         # itself (timeout, peer gone: the owner may never have run it).
         _, error = settle(done)
@@ -112,7 +118,7 @@ def remote(
     return rref
 
 
-def _self_created(ctx: RRefContext, state: OwnerState, future: torch.futures.Future[Any]) -> None:
+def _self_created(ctx: RRefContext, state: OwnerState, future: Any) -> None:
     _, error = settle(future)
     if error is not None:  # the call itself failed (e.g. timed out): the handler may not run
         state.set_error(error)

@@ -77,7 +77,8 @@ class RRef(Generic[T]):
     _confirmed: bool
     _deleted: bool
     _creation_error: BaseException | None
-    _creation_future: Future[Any] | None
+    _creation_future: Any  # remote()'s CallResult (or torch future, remote() to itself)
+    _creation_view: Future[Any] | None  # the torch future _get_future() made for it
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         agent = current_agent()
@@ -97,6 +98,7 @@ class RRef(Generic[T]):
         self._deleted = False
         self._creation_error = None
         self._creation_future = None
+        self._creation_view = None
 
     @classmethod
     def _make_owner(cls, agent: Agent, state: OwnerState) -> RRef[Any]:
@@ -118,6 +120,7 @@ class RRef(Generic[T]):
         rref._deleted = False
         rref._creation_error = None
         rref._creation_future = None
+        rref._creation_view = None
         return rref
 
     # -- queries ------------------------------------------------------------------------------
@@ -242,14 +245,24 @@ class RRef(Generic[T]):
         return value  # type: ignore[no-any-return]
 
     def _get_future(self) -> Future[Any]:
-        """The future of the ``remote()`` call that created this RRef."""
-        if self._creation_future is None:
-            done: Future[Any] = Future("RRef creation")
-            from ..agent import complete
-
+        """The future of the ``remote()`` call that created this RRef (a torch future)."""
+        creation = self._creation_future
+        if isinstance(creation, Future):
+            return creation
+        if self._creation_view is not None:
+            return self._creation_view  # the same future every time, as torch's
+        done: Future[Any] = Future("RRef creation", self._agent)
+        if creation is None:
             complete(done, None)
             return done
-        return self._creation_future
+        self._creation_view = done
+
+        def relay(result: Any) -> None:  # the creation's outcome, once it has one
+            value, error = settle(result)
+            complete(done, value, error)
+
+        creation.add_done_callback(relay)
+        return done
 
     def _get_type(self, timeout: float = -1.0) -> type:
         from ._proxy import fetch_type
