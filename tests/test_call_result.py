@@ -198,3 +198,29 @@ def test_remote_makes_its_torch_future_only_when_asked_and_the_same_each_time(
     future = rref._get_future()
     assert isinstance(future, torch.futures.Future) and future is rref._get_future()
     assert future.wait() is None and rref.to_here() == 5
+
+
+def test_a_local_rref_gives_the_same_completed_torch_future_each_time(
+    cluster: list[str],
+) -> None:
+    rref = rpc.RRef(3)
+    future = rref._get_future()
+    assert isinstance(future, torch.futures.Future) and future is rref._get_future()
+    assert future.done() and future.wait() is None
+
+
+def test_a_creation_error_reads_as_one_even_before_remotes_own_callback_ran(
+    cluster: list[str],
+) -> None:
+    # the gate of a CallResult opens before its callbacks run: a waiter may wake first
+    from actorrpc.rref._rref import _fail_if_creation_fails
+
+    rref = rpc.remote("worker1", _sleep_then, args=(1, 0.0))
+    rref.to_here()
+    creation: CallResult[None] = CallResult("creation")
+    fetch = _futures.Future("fetch")
+    _fail_if_creation_fails(fetch, creation, rref)
+    complete(creation, error=RpcTimeoutError("RPC ran for more than set timeout (1 ms)"))
+    assert fetch.done(), "the fetch was not failed with the creation"
+    with pytest.raises(RpcTimeoutError, match="RRef creation via rpc.remote\\(\\) timed out"):
+        fetch.wait()

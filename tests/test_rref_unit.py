@@ -785,6 +785,22 @@ def test_owner_state_wait_blocks_until_another_thread_sets_the_value() -> None:
     assert results == [42] and not waiter.is_alive()
     assert state.wait(0) == 42  # done: no event needed
 
+
+def test_a_failing_owner_state_callback_is_logged_and_the_others_still_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    state = OwnerState(GloballyUniqueId(0, 4))
+    calls: list[str] = []
+
+    def failing() -> None:
+        raise ValueError("a callback's own error")
+
+    state.when_ready(failing)
+    state.when_ready(lambda: calls.append("second"))
+    state.set_value(1)  # does not raise
+    assert calls == ["second"] and state.wait(0) == 1
+    assert "a callback waiting for the value of RRef" in caplog.text
+
 # -- random scenarios with hypothesis -------------------------------------------------------
 
 

@@ -235,7 +235,9 @@ class MessageDispatcher:
         started = time.time()
         if message_id:
             with self._inflight_lock:
-                self._unstarted[sender.id] = self._unstarted.get(sender.id, 1) - 1
+                waiting = self._unstarted.get(sender.id)
+                if waiting:  # (none when the sender left meanwhile: forget_member)
+                    self._unstarted[sender.id] = waiting - 1
         payload: Any = None
         undecoded: tuple[Hashable, ...] | None = None
         try:
@@ -259,6 +261,7 @@ class MessageDispatcher:
             self.riders.after_request(kind, first, time.thread_time() - cpu_started)
         except BaseException as exc:  # noqa: BLE001 - every failure is answered
             outcome = Failure(exc, undecoded)
+            self.riders.after_request(kind, None, 0.0)  # not known to be quick
         if self.tracer.enabled:  # recorded before the reply leaves: a trace stopped after
             # the caller has its reply holds this request's event
             what = _request_name(kind, payload)

@@ -401,6 +401,7 @@ def forget_member(agent: Agent, rank: int) -> None:
     agent.shared.peer_gone(rank)
     agent.riders.drop(rank)
     agent._credits.forget(rank)
-    agent._unstarted.pop(rank, None)
+    with agent._inflight_lock:
+        agent._unstarted.pop(rank, None)
     if member is not None:
         agent._transport.drop_link(member.identity)

@@ -172,7 +172,7 @@ class CallResult(Completion, Generic[T]):
                 return
             try:
                 callback(self)
-            except Exception:  # noqa: BLE001 - as torch: a callback's error is only logged
+            except BaseException:  # noqa: BLE001 - as torch: only logged; the others still run
                 _log.exception("a CallResult callback failed")
 
     def set_result(self, value: Any) -> None:
@@ -228,7 +228,7 @@ def complete(future: Completion, value: Any = None, error: BaseException | None 
     except RuntimeError:
         return  # a racing path completed it first and opened the gate
     future._gate.release()
-    if type(future) is CallResult and future._callbacks:
+    if isinstance(future, CallResult) and future._callbacks:
         future._run_callbacks()
     agent = future._agent
     if agent is not None:

@@ -239,12 +239,14 @@ class OwnerState:
         callbacks, self._callbacks = self._callbacks, []
         return self._event, callbacks
 
-    @staticmethod
-    def _wake(event: threading.Event | None, callbacks: list[Callable[[], None]]) -> None:
+    def _wake(self, event: threading.Event | None, callbacks: list[Callable[[], None]]) -> None:
         if event is not None:
             event.set()
         for callback in callbacks:
-            callback()
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - as torch's futures: logged, the others still run
+                _log.exception("a callback waiting for the value of RRef %r failed", self.rref_id)
 
     def when_ready(self, callback: Callable[[], None]) -> None:
         """Run ``callback()`` once the value or error is set (now, if it is)."""

@@ -24,8 +24,6 @@ import functools
 import logging
 from typing import Any, Generic, TypeVar
 
-import torch
-
 from ..agent import Agent, Future, WorkerInfo, complete, current_agent
 from ..agent._remote_exception import rebuild_exception
 from ..errors import RpcTimeoutError, RRefError, SerializationError
@@ -77,7 +75,7 @@ class RRef(Generic[T]):
     _confirmed: bool
     _deleted: bool
     _creation_error: BaseException | None
-    _creation_future: Any  # remote()'s CallResult (or torch future, remote() to itself)
+    _creation_future: Any  # remote()'s CallResult (None for an RRef made locally)
     _creation_view: Future[Any] | None  # the torch future _get_future() made for it
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
@@ -252,10 +250,10 @@ class RRef(Generic[T]):
         if self._creation_view is not None:
             return self._creation_view  # the same future every time, as torch's
         done: Future[Any] = Future("RRef creation", self._agent)
+        self._creation_view = done
         if creation is None:
             complete(done, None)
             return done
-        self._creation_view = done
 
         def relay(result: Any) -> None:  # the creation's outcome, once it has one
             value, error = settle(result)
@@ -389,8 +387,8 @@ def _fetch_with_creation(rref: RRef[Any], creation: Future[Any], timeout: float)
     if not held.send_as(creation, MessageKind.REMOTE_CALL_FETCH, keep_value, keep_error, timeout):
         return _NOT_HELD
     _, error = settle(creation)
-    if error is not None:  # remote()'s callback recorded what the creation failure means
-        raise copy_exception(rref._creation_error or error)
+    if error is not None:  # (remote()'s callback may not have run yet: the gate opens first)
+        raise copy_exception(rref._creation_error or creation_timeout_error(error, rref))
     value = fetched[0]
     if isinstance(value, FetchFailure):  # the value exists but could not be sent
         raise rebuild_exception(value.info)
@@ -413,14 +411,14 @@ def _fail_if_creation_fails(
 ) -> None:
     """Fail ``fetch`` at once if the RRef's ``remote()`` fails first (e.g. times out).
 
-    ``remote()``'s own callback on ``creation`` ran first and set ``_creation_error``.
     The fetch's reply, if it still comes, finds the future completed and is dropped
     (:func:`complete` completes once).
     """
 
-    def created(_: torch.futures.Future[Any]) -> None:
-        error = rref._creation_error
-        if error is not None:
+    def created(result: Any) -> None:
+        _, error = settle(result)
+        if error is not None:  # (remote()'s own callback may run later, on another thread)
+            error = rref._creation_error or creation_timeout_error(error, rref)
             complete(fetch, error=copy_exception(error))
 
     creation.add_done_callback(created)
