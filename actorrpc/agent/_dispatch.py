@@ -233,11 +233,13 @@ class MessageDispatcher:
         entry: HandlerEntry,
     ) -> None:
         started = time.time()
+        in_burst = False  # more requests of this sender wait (its reply may ride: _riders)
         if message_id:
             with self._inflight_lock:
                 waiting = self._unstarted.get(sender.id)
                 if waiting:  # (none when the sender left meanwhile: forget_member)
                     self._unstarted[sender.id] = waiting - 1
+                    in_burst = waiting > 1
         payload: Any = None
         undecoded: tuple[Hashable, ...] | None = None
         try:
@@ -256,12 +258,15 @@ class MessageDispatcher:
                     waiter.wait()
             else:
                 self.riders.before_request(kind, first)
-            cpu_started = time.thread_time()  # (time it holds the GIL, not time it waits)
+            # its CPU time (holding the GIL, not waiting for it), measured only in a burst
+            cpu_started = time.thread_time() if in_burst else 0.0
             outcome = entry.handler(IncomingRequest(kind, sender, message_id, payload))
-            self.riders.after_request(kind, first, time.thread_time() - cpu_started)
+            self.riders.after_request(
+                kind, first, time.thread_time() - cpu_started if in_burst else None
+            )
         except BaseException as exc:  # noqa: BLE001 - every failure is answered
             outcome = Failure(exc, undecoded)
-            self.riders.after_request(kind, None, 0.0)  # not known to be quick
+            self.riders.after_request(kind, None, None)  # not known to be quick
         if self.tracer.enabled:  # recorded before the reply leaves: a trace stopped after
             # the caller has its reply holds this request's event
             what = _request_name(kind, payload)

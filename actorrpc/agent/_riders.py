@@ -128,10 +128,10 @@ class Riders:
         if owed and getattr(self._owed, "quick", None) != (kind, id(first)):
             self.settle_owed()
 
-    def after_request(self, kind: int, first: Any, seconds: float) -> None:
+    def after_request(self, kind: int, first: Any, seconds: float | None) -> None:
         """This thread ran a request of ``kind`` whose payload starts with ``first`` (the
-        function, for a call) in ``seconds`` of its CPU time."""
-        quick = seconds < QUICK_REQUEST and type(first) in _FUNCTION_TYPES
+        function, for a call) in ``seconds`` of its CPU time (None: not measured)."""
+        quick = seconds is not None and seconds < QUICK_REQUEST and type(first) in _FUNCTION_TYPES
         # (an id: the thread keeps nothing of the request alive; a function's is stable)
         self._owed.quick = (kind, id(first)) if quick else None
 

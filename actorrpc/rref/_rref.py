@@ -388,7 +388,7 @@ def _fetch_with_creation(rref: RRef[Any], creation: Future[Any], timeout: float)
         return _NOT_HELD
     _, error = settle(creation)
     if error is not None:  # (remote()'s callback may not have run yet: the gate opens first)
-        raise copy_exception(rref._creation_error or creation_timeout_error(error, rref))
+        raise copy_exception(_creation_failure(rref, error))
     value = fetched[0]
     if isinstance(value, FetchFailure):  # the value exists but could not be sent
         raise rebuild_exception(value.info)
@@ -418,8 +418,7 @@ def _fail_if_creation_fails(
     def created(result: Any) -> None:
         _, error = settle(result)
         if error is not None:  # (remote()'s own callback may run later, on another thread)
-            error = rref._creation_error or creation_timeout_error(error, rref)
-            complete(fetch, error=copy_exception(error))
+            complete(fetch, error=copy_exception(_creation_failure(rref, error)))
 
     creation.add_done_callback(created)
 
@@ -489,6 +488,12 @@ def send_child_accept(agent: Agent, parent: int, fork_id: GloballyUniqueId) -> N
         )
     except Exception as exc:  # noqa: BLE001 - best effort while shutting down
         _log.warning("cannot send child accept for %s: %s", fork_id, exc)
+
+
+def _creation_failure(rref: RRef[Any], error: BaseException) -> BaseException:
+    """What a failed creation means for ``rref``: what remote()'s callback recorded, or
+    (when a waiter wakes before that callback ran) the same, made from ``error``."""
+    return rref._creation_error or creation_timeout_error(error, rref)
 
 
 def creation_timeout_error(error: BaseException, rref: RRef[Any]) -> BaseException:
