@@ -73,12 +73,11 @@ def test_a_queued_reply_is_due_after_reply_delay_and_the_io_thread_is_told() -> 
     due = agent.wake_requests[-1]
     assert before + REPLY_DELAY <= due <= time.monotonic() + REPLY_DELAY
     assert 0 < riders.seconds_to_due(time.monotonic()) <= REPLY_DELAY  # type: ignore[operator]
-    riders.flush()  # not due yet
+    riders.flush(now=due - 1e-4)  # not due yet
     assert agent.carriers == [] and riders.pending
     riders.add_reply(1, 43, b"later")  # not earlier than what is queued: no second wake-up
     assert len(agent.wake_requests) == 1
-    wait_until(lambda: time.monotonic() >= due, 1.0)
-    riders.flush()
+    riders.flush(now=due)
     assert agent.carriers == [1] and not riders.pending
     assert riders.seconds_to_due(time.monotonic()) is None
     assert riders.describe()["replies_deferred"] == 2

@@ -194,15 +194,17 @@ class Riders:
         with self._lock:
             return min(self._due.values(), default=now) - now
 
-    def flush(self, everything: bool = False) -> None:
-        """Send what is due (or ``everything``) on messages of their own.
+    def flush(self, everything: bool = False, now: float | None = None) -> None:
+        """Send what is due by ``now`` (default: the monotonic clock), or ``everything``,
+        on messages of their own.
 
         The carrier is a ``PING`` notification (never answered) that takes
         everything queued for its worker along, in order, as any message would.
         """
         if not self._queued:
             return
-        now = time.monotonic()
+        if now is None:
+            now = time.monotonic()
         with self._lock:
             ranks = [r for r, due in list(self._due.items()) if everything or due <= now]
         for rank in ranks:
