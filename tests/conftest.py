@@ -42,3 +42,15 @@ def cluster() -> Iterator[list[str]]:
         finally:
             codes = stop_workers(processes)
     assert codes == [0] * (WORLD_SIZE - 1), f"cluster workers exited with {codes}"
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[object, object]]:
+    """Two transports of this process (sender, receiver), closed afterwards."""
+    from actorrpc.transport import Transport
+
+    sender = Transport(b"0:sender", secret="s", security="plain")
+    receiver = Transport(b"1:receiver", secret="s", security="plain")
+    yield sender, receiver
+    sender.close()
+    receiver.close()

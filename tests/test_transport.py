@@ -16,15 +16,6 @@ from ._waiting import wait_until
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def pair():
-    sender = Transport(b"0:sender", secret="s", security="plain")
-    receiver = Transport(b"1:receiver", secret="s", security="plain")
-    yield sender, receiver
-    sender.close()
-    receiver.close()
-
-
 def _receive(
     receiver: Transport, count: int, deadline_s: float = 20.0, busy: bool = False
 ) -> list[list[object]]:

@@ -198,6 +198,7 @@ class Agent(MessageDispatcher):
                 security=options.security,
                 send_timeout=options.rpc_timeout or 0,
                 name_threads=options.batch_scheduling,
+                rings=options.same_host_rings,
             )
             self.batch_scheduling = BatchScheduling(
                 self._transport.io_thread_ids(), options.batch_scheduling

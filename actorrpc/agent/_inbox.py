@@ -181,7 +181,9 @@ class InboxTurns:
                 # messages that waited while nobody received are probed as they are
                 # handled: a request, or a reply someone may wait for without taking
                 # turns (a C++ wait such as torch.futures.wait_all), makes it stay()
-                probing = backed_off and bool(arrivals.poll(0))
+                probing = backed_off and (
+                    bool(arrivals.poll(0)) or agent._transport.rings_ready()
+                )
                 backed_off = False
                 if not self.lock.acquire(timeout=BACKOFF_SECONDS):
                     run_timed_work(agent)

@@ -176,6 +176,13 @@ def worker_snapshot(agent: Agent) -> dict[str, Any]:
         "busy_poll_hits": agent._transport.busy_poll_hits,
         "busy_poll_misses": agent._transport.busy_poll_misses,
         "busy_poll_contended": agent._transport.busy_poll_contended,  # misses: core shared
+        # same-host rings: peers whose ring this worker reads, links sending through one,
+        # messages received through rings
+        "rings": {
+            "in": agent._transport.rings_in(),
+            "out": agent._transport.rings_out(),
+            "messages_in": agent._transport.ring_messages_in,
+        },
         # libzmq's I/O threads: "batch" / "default" policy, times batch was given up
         "batch_scheduling": agent.batch_scheduling.describe(),
         # riders: queued, carried on messages, carriers sent alone, replies queued to ride

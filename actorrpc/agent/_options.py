@@ -107,6 +107,12 @@ class ZmqRpcBackendOptions:
             go back to the default policy and retry later
             (``agent._batch_scheduling``). Default on;
             ``ACTORRPC_BATCH_SCHEDULING=0`` turns it off.
+        same_host_rings: messages to a worker on the same host (x86-64 Linux)
+            go through a shared-memory ring that the receiving thread reads
+            directly, instead of through both workers' libzmq I/O threads and
+            TCP (``transport._ring``); the connection itself, its authentication
+            and peers on other hosts keep using the sockets. Default on;
+            ``ACTORRPC_RINGS=0`` turns it off.
         hold_remote_calls: ``remote()`` holds its request until the calling
             thread's next call, so that a ``to_here()`` right after goes with it
             (one request and its answer instead of four messages; see
@@ -144,6 +150,9 @@ class ZmqRpcBackendOptions:
     )
     batch_scheduling: bool = field(
         default_factory=lambda: bool(_from_environment("ACTORRPC_BATCH_SCHEDULING", 1, int))
+    )
+    same_host_rings: bool = field(
+        default_factory=lambda: bool(_from_environment("ACTORRPC_RINGS", 1, int))
     )
     hold_remote_calls: bool = field(
         default_factory=lambda: bool(_from_environment("ACTORRPC_HOLD_REMOTE_CALLS", 1, int))

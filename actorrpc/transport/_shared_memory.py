@@ -51,6 +51,10 @@ __all__ = [
     "SHM_DIRECTORY",
     "SharedMemoryPool",
     "SharedMappings",
+    "check_segment_name",
+    "create_segment",
+    "map_segment",
+    "new_segment_name",
     "shared_memory_available",
     "sweep_orphans",
 ]
@@ -65,6 +69,36 @@ _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 def shared_memory_available() -> bool:
     return os.path.isdir(SHM_DIRECTORY) and os.access(SHM_DIRECTORY, os.W_OK)
+
+
+def new_segment_name() -> str:
+    """A fresh name of this process's kind (what :func:`sweep_orphans` recognises)."""
+    return f"actorrpc-{os.getpid():x}-{secrets.token_hex(12)}"
+
+
+def check_segment_name(name: str) -> str:
+    """``name`` if it has the form of an actorrpc segment's name, else ProtocolError."""
+    if not _NAME.fullmatch(name):
+        raise ProtocolError(f"{name!r} is not an actorrpc shared-memory segment name")
+    return name
+
+
+def create_segment(size: int, populate: bool = True) -> tuple[str, mmap.mmap]:
+    """A new segment of ``size`` bytes (mode 0600; pre-faulted if ``populate``): its name
+    and mapping."""
+    name = new_segment_name()
+    path = os.path.join(SHM_DIRECTORY, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size, flags=_MAP_FLAGS if populate else mmap.MAP_SHARED)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return name, mapping
 
 
 def _size_class(nbytes: int) -> int:
@@ -91,18 +125,7 @@ class SharedMemoryPool:
         self._closed = False
 
     def _create(self, size: int) -> _Segment:
-        name = f"actorrpc-{os.getpid():x}-{secrets.token_hex(12)}"
-        path = os.path.join(SHM_DIRECTORY, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            mapping = mmap.mmap(fd, size, flags=_MAP_FLAGS)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
+        name, mapping = create_segment(size)
         return _Segment(name, size, mapping)
 
     def export(self, buffer: Any, borrower: int) -> tuple[bytes, str]:
@@ -228,8 +251,9 @@ def _parse_descriptor(descriptor: bytes | memoryview) -> tuple[int, str]:
     return nbytes, name
 
 
-def _map_segment(name: str, nbytes: int) -> mmap.mmap:
-    """Map all of segment ``name`` (pre-faulted), checking it holds ``nbytes``."""
+def map_segment(name: str, nbytes: int, populate: bool = True) -> mmap.mmap:
+    """Map all of segment ``name`` (pre-faulted if ``populate``), checking it holds
+    ``nbytes``."""
     try:
         fd = os.open(os.path.join(SHM_DIRECTORY, name), os.O_RDWR)
     except FileNotFoundError as exc:
@@ -238,7 +262,7 @@ def _map_segment(name: str, nbytes: int) -> mmap.mmap:
         size = os.fstat(fd).st_size
         if nbytes > size:
             raise ProtocolError(f"shared-memory segment {name} does not hold {nbytes} bytes")
-        return mmap.mmap(fd, size, flags=_MAP_FLAGS)
+        return mmap.mmap(fd, size, flags=_MAP_FLAGS if populate else mmap.MAP_SHARED)
     finally:
         os.close(fd)
 
@@ -279,7 +303,7 @@ class SharedMappings:
             else:
                 array = None
         if array is None:
-            mapping = _map_segment(name, nbytes)
+            mapping = map_segment(name, nbytes)
             with self._lock:
                 previous = self._cache.pop(name, None)
                 if previous is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import os
 import threading
 import time
@@ -32,7 +33,9 @@ from typing import Any
 import zmq
 import zmq.auth.thread
 
-from ..errors import ActorRpcError, InvalidArgumentError, PeerUnreachableError
+from ..errors import ActorRpcError, InvalidArgumentError, PeerUnreachableError, ProtocolError
+from ._ring import RingWriter, rings_supported
+from ._ring_inbox import RING_ACCEPT, RING_OFFER, RingInbox
 
 __all__ = ["SECURITY_MODES", "PeerLink", "Transport"]
 
@@ -41,7 +44,9 @@ _ZAP_DOMAIN = "actorrpc"
 _USER = "actorrpc"
 _RECV_BATCH = 256
 _WAKE_ID = b"!wake"  # agent identities start with a rank digit
+_CONTROL = b"!"  # transport control messages start with it (``_ring_inbox``)
 _COPY_THRESHOLD = 65536  # memoryview frames at least this big are sent zero-copy
+_log = logging.getLogger("actorrpc.transport")
 _thread_name_prefixes = itertools.count(1)  # one per transport (ZMQ_THREAD_NAME_PREFIX)
 _THREAD_NAME_PREFIX = int(getattr(zmq, "THREAD_NAME_PREFIX", 9))  # ZMQ_THREAD_NAME_PREFIX
 
@@ -51,9 +56,11 @@ _THREAD_NAME_PREFIX = int(getattr(zmq, "THREAD_NAME_PREFIX", 9))  # ZMQ_THREAD_N
 _socket_send = zmq.backend.Socket.send
 _socket_recv = zmq.backend.Socket.recv
 _socket_get = zmq.backend.Socket.get
+_zmq_poll = zmq.backend.zmq_poll
 _SNDMORE = int(zmq.SNDMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
 _monotonic = time.monotonic
 # gives the core to any other runnable thread, without the GIL (time.sleep(0) where absent)
 _sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
@@ -64,6 +71,10 @@ _sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 _LONG_YIELD_SECONDS = 0.0005
 _MIN_CONTENDED_PAUSE_SECONDS = 0.02
 _MAX_CONTENDED_PAUSE_SECONDS = 1.0
+
+
+def _host(endpoint: str) -> str:
+    return endpoint.rsplit(":", 1)[0]
 
 
 def _thread_name(tid: int) -> str:
@@ -93,19 +104,33 @@ class _CurveKeyCheck:
 class PeerLink:
     """A DEALER socket connected to one peer's inbox, safe to share between threads."""
 
-    def __init__(self, socket: zmq.Socket[Any], endpoint: str) -> None:
+    def __init__(self, socket: zmq.Socket[Any], endpoint: str, send_timeout: float = -1.0) -> None:
         self._socket = socket
         self._lock = threading.Lock()
         self.endpoint = endpoint
         self.closed = False
+        self._send_timeout = send_timeout  # seconds, < 0: no limit
+        self.ring: RingWriter | None = None  # in use: every message goes through it
+        self._offered: RingWriter | None = None  # offered, not accepted yet
+        self._sent_since_offer = 0
 
     def send(self, frames: Sequence[Any]) -> None:
-        """Send one multipart message; memoryview frames of 64 KiB or more go zero-copy."""
+        """Send one multipart message; memoryview frames of 64 KiB or more go zero-copy.
+
+        Through the same-host ring once the peer accepted it (see ``_ring``).
+        """
         last = len(frames) - 1
         socket = self._socket
         with self._lock:
             if self.closed:
                 raise PeerUnreachableError(f"link to {self.endpoint} is closed")
+            ring = self.ring
+            if ring is None and self._offered is not None:
+                ring = self._answer_to_offer()
+            if ring is not None:
+                ring.write(frames, self._send_timeout)
+                return
+            self._sent_since_offer += 1
             try:
                 for index, frame in enumerate(frames):
                     flags = _SNDMORE if index < last else 0
@@ -122,12 +147,60 @@ class PeerLink:
             except zmq.ZMQError as exc:
                 raise PeerUnreachableError(f"sending to {self.endpoint} failed: {exc}") from exc
 
+    def offer_ring(self) -> None:
+        """Offer the peer a ring for this link's messages (see ``_ring_inbox``)."""
+        with self._lock:
+            if self.closed or self.ring is not None or self._offered is not None:
+                return
+            try:
+                ring = RingWriter()
+            except OSError:
+                return  # no shared memory now: the socket it is
+            try:
+                _socket_send(self._socket, RING_OFFER, _SNDMORE)
+                _socket_send(self._socket, ring.name.encode(), 0)
+            except zmq.ZMQError:
+                ring.close()
+                return
+            self._offered, self._sent_since_offer = ring, 0
+
+    def _answer_to_offer(self) -> RingWriter | None:
+        """(Under the lock.) The ring to use from now on, if the peer accepted it."""
+        offered = self._offered
+        assert offered is not None
+        socket = self._socket
+        try:
+            if not int(_socket_get(socket, _EVENTS)) & _POLLIN:
+                return None  # no answer yet
+            answer = [_socket_recv(socket, _NOBLOCK, True)]
+            while socket.rcvmore:
+                answer.append(_socket_recv(socket, _NOBLOCK, True))
+        except zmq.ZMQError:
+            return None
+        self._offered = None
+        if len(answer) == 3 and answer[:2] == [RING_ACCEPT, offered.name.encode()]:
+            try:
+                offered.start(answer[2].decode("ascii", "replace"), self._sent_since_offer)
+                self.ring = offered
+                return offered
+            except (OSError, ProtocolError) as exc:
+                _log.warning("could not start the ring to %s: %s", self.endpoint, exc)
+        offered.close()  # refused (or a malformed answer): the socket it is
+        return None
+
     def close(self, linger: float = 0.0) -> None:
-        """Close the socket; messages still queued get up to ``linger`` seconds to leave."""
+        """Close the socket; messages still queued get up to ``linger`` seconds to leave.
+
+        Messages in a ring stay readable: the reader's mapping outlives the writer's.
+        """
         with self._lock:
             if not self.closed:
                 self.closed = True
                 self._socket.close(linger=int(linger * 1000))
+                for ring in (self.ring, self._offered):
+                    if ring is not None:
+                        ring.close()
+                self.ring = self._offered = None
 
 
 class Transport:
@@ -157,6 +230,7 @@ class Transport:
         send_timeout: float = 60.0,
         high_water_mark: int = 10000,
         name_threads: bool = True,
+        rings: bool = True,
     ) -> None:
         if security not in SECURITY_MODES:
             raise InvalidArgumentError(
@@ -168,6 +242,8 @@ class Transport:
         self._security = security
         self._secret = secret or ""
         self._send_timeout_ms = int(send_timeout * 1000) if send_timeout > 0 else -1
+        self._rings = rings and rings_supported()
+        self._ring_inbox = RingInbox()  # peers' rings (read whether or not ``rings``)
         self._hwm = high_water_mark
         self._context: zmq.Context[Any] = zmq.Context()
         # libzmq's threads of this transport are named "<n>/ZMQbg/...": set before the
@@ -289,16 +365,37 @@ class Transport:
                 raise PeerUnreachableError(f"cannot connect to {endpoint}: {exc}") from exc
             if link is not None:
                 link.close()
-            link = PeerLink(socket, endpoint)
+            link = PeerLink(socket, endpoint, self._send_timeout_ms / 1000)
             self._links[peer] = link
-            return link
+        if self._rings and peer != self._identity and _host(endpoint) == _host(self.endpoint):
+            link.offer_ring()
+        return link
 
     def drop_link(self, peer: bytes) -> None:
-        """Close the link to ``peer`` (a peer that left or died)."""
+        """Close the link to ``peer`` (a peer that left or died), and forget its ring."""
         with self._links_lock:
             link = self._links.pop(peer, None)
         if link is not None:
             link.close()
+        self._ring_inbox.forget(peer)
+
+    def rings_out(self) -> int:
+        """Links whose messages go through a same-host ring."""
+        with self._links_lock:
+            return sum(1 for link in self._links.values() if link.ring is not None)
+
+    def rings_in(self) -> int:
+        """Peers whose ring this transport reads."""
+        return len(self._ring_inbox.snapshot)
+
+    def rings_ready(self) -> bool:
+        """Whether a peer's ring holds a message (a probe, as ``inbox_fd`` is for the socket)."""
+        return bool(self._ring_inbox.snapshot) and self._ring_inbox.any_ready()
+
+    @property
+    def ring_messages_in(self) -> int:
+        """Messages that came through peers' rings."""
+        return self._ring_inbox.messages_in
 
     def receive(self, timeout: float, busy_until: float = 0.0) -> list[list[Any]]:
         """Wait up to ``timeout`` seconds and return the messages that arrived.
@@ -327,15 +424,24 @@ class Transport:
                 else:
                     self.busy_poll_misses += 1
                     timeout = max(0.0, timeout - (_monotonic() - began))
+        messages: list[list[Any]] = []
+        if self._ring_inbox.doorbell is not None:  # peers' rings too
+            return self._receive_with_rings(messages, timeout)
         timeout_ms = max(0, int(timeout * 1000))
         if timeout_ms != self._timeout_ms:
             inbox.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._timeout_ms = timeout_ms
-        messages: list[list[Any]] = []
         try:
             frame = _socket_recv(inbox, 0, False)
         except zmq.Again:
             return messages
+        self._take_batch(frame, messages)
+        return messages
+
+    def _take_batch(self, frame: Any, messages: list[list[Any]]) -> None:
+        """Append the message that starts with ``frame`` and those waiting after it."""
+        inbox = self._inbox
+        gated = self._ring_inbox.gated
         for count in range(1, _RECV_BATCH + 1):
             # zmq.Frame.more is read without a socket option lookup (which builds an enum)
             message: list[Any] = [frame.bytes]
@@ -346,16 +452,58 @@ class Transport:
                     frame = _socket_recv(inbox, 0, False)
                     message.append(frame)
             if message[0] != _WAKE_ID:
-                messages.append(message)
+                if gated:
+                    reader = gated.get(message[0])
+                    if reader is not None:
+                        reader.socket_seen += 1
+                if len(message) > 1 and message[1][:1] == _CONTROL:
+                    self._answer_control(message)
+                else:
+                    messages.append(message)
             if count == _RECV_BATCH or not int(_socket_get(inbox, _EVENTS)) & _POLLIN:
                 break
             frame = _socket_recv(inbox, 0, False)
+
+    def _answer_control(self, message: list[Any]) -> None:
+        """Answer a ring offer on the connection it came on (see ``_ring_inbox``)."""
+        identity = message[0]
+        answer = self._ring_inbox.answer_offer(identity, message[1:])
+        if not answer:
+            return
+        try:
+            self._inbox.send_multipart([identity, *answer], _NOBLOCK)
+        except zmq.ZMQError as exc:  # the connection went meanwhile
+            _log.warning("could not answer the ring offer of %r: %s", identity, exc)
+            self._ring_inbox.forget(identity)
+
+    def _receive_with_rings(self, messages: list[list[Any]], timeout: float) -> list[list[Any]]:
+        """:meth:`receive` once this transport reads peers' rings: socket and rings."""
+        inbox = self._inbox
+        rings = self._ring_inbox
+        doorbell = rings.doorbell
+        assert doorbell is not None
+        for attempt in range(2):
+            if int(_socket_get(inbox, _EVENTS)) & _POLLIN:
+                self._take_batch(_socket_recv(inbox, _NOBLOCK, False), messages)
+            rings.read(messages)
+            if messages or timeout <= 0 or attempt:
+                return messages
+            # drained before the last look: a ring written after it rings again
+            doorbell.drain()
+            rings.read(messages)
+            if messages:
+                return messages
+            _zmq_poll([(inbox, _POLLIN), (doorbell.fd, _POLLIN)], int(timeout * 1000))
         return messages
 
     def _poll_busily(self, until: float) -> bool:
-        """Poll the inbox until ``until``, yielding between polls; whether a message waits."""
+        """Poll the inbox and rings until ``until``, yielding between polls; whether a
+        message waits."""
         inbox = self._inbox
+        rings_ready = self._ring_inbox.any_ready if self._ring_inbox.snapshot else None
         while not int(_socket_get(inbox, _EVENTS)) & _POLLIN:
+            if rings_ready is not None and rings_ready():
+                return True
             now = _monotonic()
             if now >= until:
                 return False
@@ -387,6 +535,7 @@ class Transport:
             self._links.clear()
         for link in links:
             link.close(linger)
+        self._ring_inbox.close()
         for name in ("_inbox", "_wake_tx"):
             socket = getattr(self, name, None)
             if socket is not None:

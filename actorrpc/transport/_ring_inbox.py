@@ -1,0 +1,107 @@
+"""The receiving side of same-host rings: the peers' rings a transport reads, and its doorbell.
+
+The handshake (transport control messages start with ``!``; an agent's start with
+``AR``)::
+
+    offerer DEALER -> receiver ROUTER   [RING_OFFER, ring name]
+    receiver ROUTER -> offerer DEALER   [RING_ACCEPT, ring name, doorbell path]
+                                     or [RING_REFUSE, ring name]
+
+The answer goes back on the connection the offer came on, so it reaches the very
+socket that offered (no second connection to the offerer is made); the offerer
+reads it before its next send (``PeerLink``).
+
+Invariants:
+
+* Only the thread holding the inbox (one at a time) reads rings and counts
+  socket messages; the registry's lock only guards the snapshot it iterates.
+* A peer's ring is read only after the socket messages its writer sent before
+  the switch (``RingReader.socket_seen``), so the two paths keep one order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from ..errors import ProtocolError
+from ._ring import Doorbell, RingReader, rings_supported
+
+__all__ = ["RING_ACCEPT", "RING_OFFER", "RING_REFUSE", "RingInbox"]
+
+RING_OFFER = b"!ring-offer"
+RING_ACCEPT = b"!ring-accept"
+RING_REFUSE = b"!ring-refuse"
+
+_log = logging.getLogger("actorrpc.transport")
+
+
+class RingInbox:
+    """The peers' rings one transport reads, by sender identity."""
+
+    def __init__(self) -> None:
+        self._readers: dict[bytes, RingReader] = {}
+        self.snapshot: tuple[tuple[bytes, RingReader], ...] = ()  # what receivers iterate
+        self.gated: dict[bytes, RingReader] = {}  # readers still counting socket messages
+        self._lock = threading.Lock()
+        self.doorbell: Doorbell | None = None
+        self.messages_in = 0
+
+    def answer_offer(self, identity: bytes, frames: list[Any]) -> list[bytes]:
+        """The answer to ``identity``'s control message (frames after its identity)."""
+        name = bytes(frames[1]) if len(frames) == 2 else b""
+        if bytes(frames[0]) != RING_OFFER or not name:
+            _log.warning("dropped an unknown transport control message from %r", identity)
+            return []
+        if not rings_supported():
+            return [RING_REFUSE, name]
+        try:
+            reader = RingReader(name.decode("ascii"))
+            if self.doorbell is None:
+                self.doorbell = Doorbell()
+        except (OSError, ProtocolError, UnicodeDecodeError) as exc:
+            _log.warning("refused the ring of %r: %s", identity, exc)
+            return [RING_REFUSE, name]
+        with self._lock:
+            self._readers[identity] = reader  # (a ring of an earlier connection is dropped)
+            self.gated[identity] = reader
+            self.snapshot = tuple(self._readers.items())
+        return [RING_ACCEPT, name, self.doorbell.path.encode()]
+
+    def forget(self, identity: bytes) -> None:
+        """Stop reading ``identity``'s ring (the receiving thread may finish a read of it)."""
+        with self._lock:
+            self._readers.pop(identity, None)
+            self.gated.pop(identity, None)
+            self.snapshot = tuple(self._readers.items())
+
+    def any_ready(self) -> bool:
+        for _, reader in self.snapshot:  # noqa: SIM110 - a busy poll's loop: no generator
+            if reader.ready():
+                return True
+        return False
+
+    def read(self, messages: list[list[Any]]) -> None:
+        """Append the complete messages waiting in the rings."""
+        for identity, reader in self.snapshot:
+            try:
+                count = reader.read(identity, messages)
+            except ProtocolError as exc:
+                _log.error("dropped the ring of %r: %s", identity, exc)
+                self.forget(identity)
+                continue
+            if count:
+                self.messages_in += count
+                if identity in self.gated:  # open now: no more counting
+                    with self._lock:
+                        self.gated.pop(identity, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._readers.clear()
+            self.gated.clear()
+            self.snapshot = ()
+        if self.doorbell is not None:
+            self.doorbell.close()
+            self.doorbell = None

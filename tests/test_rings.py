@@ -1,0 +1,332 @@
+"""Same-host rings (``transport._ring``): the stream itself, the switch from the socket,
+and real workers using them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+import actorrpc as rpc
+from actorrpc.errors import PeerUnreachableError, ProtocolError
+from actorrpc.transport import Transport
+from actorrpc.transport._ring import (
+    Doorbell,
+    RingReader,
+    RingWriter,
+    rings_supported,
+)
+from actorrpc.transport._shared_memory import SHM_DIRECTORY
+
+from ._waiting import wait_until
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not rings_supported(), reason="rings need x86-64 and /dev/shm"),
+]
+
+
+@contextlib.contextmanager
+def _ring_of(sent_before: int) -> Iterator[tuple[RingWriter, RingReader, Doorbell]]:
+    """A 4 KiB ring, started after ``sent_before`` socket messages, and its doorbell."""
+    doorbell = Doorbell()
+    writer = RingWriter(capacity=1 << 12)
+    reader = RingReader(writer.name)
+    try:
+        writer.start(doorbell.path, sent_before)
+        yield writer, reader, doorbell
+    finally:
+        writer.close()
+        reader.close()
+        doorbell.close()
+
+
+@pytest.fixture
+def ring() -> Iterator[tuple[RingWriter, RingReader, Doorbell]]:
+    with _ring_of(0) as parts:
+        yield parts
+
+
+def _read_all(reader: RingReader, count: int, deadline_s: float = 10.0) -> list[list[object]]:
+    messages: list[list[object]] = []
+    deadline = time.monotonic() + deadline_s
+    while len(messages) < count and time.monotonic() < deadline:
+        reader.read(b"peer", messages)
+    return messages
+
+
+def _payloads(message: list[object]) -> list[bytes]:
+    first, *rest = message[1:]
+    return [bytes(first)] + [bytes(f.buffer) for f in rest]  # type: ignore[attr-defined]
+
+
+def test_messages_keep_order_and_frames_as_the_ring_wraps_around(ring) -> None:
+    writer, reader, _ = ring
+    sent = []
+    for i in range(200):  # ~40 KiB through a 4 KiB ring: wraps many times
+        frames = [b"H%d" % i, bytes([i % 256]) * (i % 150), b"tail"][: 1 + i % 3]
+        writer.write(frames, timeout=5.0)
+        sent.append(frames)
+        if i % 7 == 6:  # the reader drains now and then, often mid-way through the data area
+            assert [_payloads(m) for m in _read_all(reader, 7)] == sent[-7:]
+    rest = len(sent) % 7
+    assert [_payloads(m) for m in _read_all(reader, rest)] == (sent[-rest:] if rest else [])
+    first = _read_all(reader, 0)
+    assert first == []
+
+
+def test_a_message_larger_than_the_ring_streams_through_while_read(ring) -> None:
+    writer, reader, _ = ring
+    big = bytes(range(256)) * 100  # 25.6 KiB through a 4 KiB ring
+    view = memoryview(bytearray(big)).cast("B")
+    received: list[list[object]] = []
+    thread = threading.Thread(target=lambda: received.extend(_read_all(reader, 2)))
+    thread.start()
+    writer.write([b"header", view, b"x"], timeout=10.0)
+    writer.write([b"after"], timeout=10.0)
+    thread.join(20)
+    assert [_payloads(m) for m in received] == [[b"header", big, b"x"], [b"after"]]
+
+
+def test_a_writer_waits_for_space_then_fails_naming_the_reader(ring) -> None:
+    writer, reader, _ = ring
+    writer.write([b"a" * 3000], timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(PeerUnreachableError, match="did not read its same-host ring"):
+        writer.write([b"b" * 3000], timeout=0.05)  # needs the first one read
+    assert time.monotonic() - started >= 0.04
+    assert not writer.broken  # nothing of it was written: the stream is intact
+    assert [_payloads(m) for m in _read_all(reader, 1)] == [[b"a" * 3000]]
+    writer.write([b"c" * 3000], timeout=1.0)
+    assert [_payloads(m) for m in _read_all(reader, 1)] == [[b"c" * 3000]]
+
+
+def test_a_streamed_message_that_times_out_breaks_the_ring(ring) -> None:
+    writer, _, _ = ring
+    with pytest.raises(PeerUnreachableError):
+        writer.write([b"z" * 10000], timeout=0.05)
+    assert writer.broken
+    with pytest.raises(PeerUnreachableError, match="half written"):
+        writer.write([b"next"], timeout=1.0)
+
+
+def test_the_reader_waits_for_the_socket_messages_sent_before_the_ring() -> None:
+    with _ring_of(2) as (writer, reader, _):
+        writer.write([b"by ring"], timeout=1.0)
+        assert not reader.ready() and _read_all(reader, 1, 0.05) == []
+        reader.socket_seen = 1
+        assert not reader.ready()
+        reader.socket_seen = 2
+        assert [_payloads(m) for m in _read_all(reader, 1)] == [[b"by ring"]]
+
+
+def test_buffers_go_in_memory_order_as_a_socket_sends_them(ring) -> None:
+    import numpy as np
+
+    writer, reader, _ = ring
+    fortran = np.asfortranarray(np.arange(12, dtype=np.int32).reshape(3, 4))
+    writer.write([b"H", fortran, memoryview(b"abc")], timeout=1.0)
+    (message,) = _read_all(reader, 1)
+    assert _payloads(message) == [b"H", fortran.tobytes(order="A"), b"abc"]
+    with pytest.raises(BufferError):  # not contiguous: refused, nothing written
+        writer.write([b"H", np.arange(10)[::2]], timeout=1.0)
+    writer.write([b"after"], timeout=1.0)
+    assert [_payloads(m) for m in _read_all(reader, 1)] == [[b"after"]]
+
+
+def test_a_ring_held_back_too_long_is_read_anyway(monkeypatch, caplog) -> None:
+    from actorrpc.transport import _ring
+
+    monkeypatch.setattr(_ring, "GATE_SECONDS", 0.05)
+    with _ring_of(3) as (writer, reader, _):  # 3 socket messages that never come
+        writer.write([b"by ring"], timeout=1.0)
+        assert not reader.ready()
+        assert [_payloads(m) for m in _read_all(reader, 1)] == [[b"by ring"]]
+        assert "3 of the 3 socket messages sent before it did not arrive" in caplog.text
+
+
+def test_each_message_rings_the_doorbell(ring) -> None:
+    writer, _, doorbell = ring
+    doorbell.drain()
+    with pytest.raises(BlockingIOError):
+        os.read(doorbell.fd, 1)
+    writer.write([b"x"], timeout=1.0)
+    assert os.read(doorbell.fd, 10) == b"\0"
+
+
+def test_a_corrupt_record_is_a_protocol_error(ring) -> None:
+    writer, reader, _ = ring
+    writer.write([b"fine"], timeout=1.0)
+    assert len(_read_all(reader, 1)) == 1
+    writer._data[writer._head:writer._head + 4] = struct.pack("<I", 999_999)  # frame count
+    writer._words[0] = writer._head + 8
+    with pytest.raises(ProtocolError, match="999999 frames"):
+        reader.read(b"peer", [])
+
+
+def test_only_segments_and_fifos_of_actorrpc_are_opened(tmp_path) -> None:
+    with pytest.raises(ProtocolError, match="not an actorrpc shared-memory segment name"):
+        RingReader("../etc/passwd")
+    writer = RingWriter(capacity=1 << 12)
+    try:
+        with pytest.raises(ProtocolError, match="not a FIFO"):
+            writer.start(os.path.join(SHM_DIRECTORY, writer.name), 0)  # a segment, not a FIFO
+        with pytest.raises(ProtocolError, match="must lie in"):
+            writer.start(str(tmp_path / ("actorrpc-1-" + "0" * 24)), 0)
+    finally:
+        writer.close()
+
+
+# -- two transports: the switch from the socket to the ring ----------------------------------
+
+
+def _answered(link) -> bool:
+    """Whether the answer to the link's offer waits on its socket (read at its next send)."""
+    return bool(link._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+
+def test_messages_keep_their_order_across_the_switch_to_the_ring(pair) -> None:
+    sender, receiver = pair
+    link = sender.link(b"1:receiver", receiver.endpoint)  # offers its ring
+    for i in range(50):
+        link.send([b"AR-header", b"%d" % i])
+    # the receiver takes the offer (and maybe some messages after it) and answers ...
+    received: list[list[object]] = []
+    assert wait_until(lambda: (received.extend(receiver.receive(0.05)),
+                               receiver.rings_in() == 1)[1], timeout=20)
+    # ... the sender switches at its next send: the ring's messages may then be readable
+    # before the socket's last ones were received
+    assert wait_until(lambda: _answered(link), timeout=20)
+    for i in range(50, 300):
+        link.send([b"AR-header", b"%d" % i])
+    assert wait_until(lambda: (received.extend(receiver.receive(0.05)), len(received))[1] == 300,
+                      timeout=20)
+    assert [bytes(m[2].buffer) for m in received] == [b"%d" % i for i in range(300)]  # type: ignore[attr-defined]
+    assert all(m[0] == b"0:sender" for m in received)
+    assert link.ring is not None and sender.rings_out() == 1
+    assert receiver.ring_messages_in == 250
+
+
+def _switched(sender: Transport, receiver: Transport):
+    link = sender.link(b"1:receiver", receiver.endpoint)
+    assert wait_until(lambda: (receiver.receive(0.01), receiver.rings_in() == 1)[1], timeout=20)
+    assert wait_until(lambda: _answered(link), timeout=20)
+    link.send([b"AR-header", b"switch"])  # the first through the ring
+    assert link.ring is not None
+    assert wait_until(lambda: receiver.receive(0.01) != [], timeout=20)
+    return link
+
+
+def test_a_blocked_receiver_wakes_for_a_ring_message(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorrpc.transport import _zmq
+
+    sender, receiver = pair
+    link = _switched(sender, receiver)
+    blocking = threading.Event()
+    real_poll = _zmq._zmq_poll
+
+    def poll(*args: object) -> object:
+        blocking.set()
+        return real_poll(*args)
+
+    monkeypatch.setattr(_zmq, "_zmq_poll", poll)
+    result: list[list[list[object]]] = []
+    thread = threading.Thread(target=lambda: result.append(receiver.receive(30.0)))
+    thread.start()
+    assert blocking.wait(10)  # it blocks; without the doorbell it would wait 30 s
+    started = time.monotonic()
+    link.send([b"AR-header", b"wake up"])
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - started < 5
+    assert [bytes(m[2].buffer) for m in result[0]] == [b"wake up"]  # type: ignore[attr-defined]
+
+
+def test_a_busy_poll_finds_a_ring_message(pair) -> None:
+    sender, receiver = pair
+    link = _switched(sender, receiver)
+    link.send([b"AR-header", b"polled"])
+    hits = receiver.busy_poll_hits
+    messages = receiver.receive(30.0, busy_until=time.monotonic() + 30.0)
+    assert [bytes(m[2].buffer) for m in messages] == [b"polled"]  # type: ignore[attr-defined]
+    assert receiver.busy_poll_hits == hits + 1
+
+
+def test_large_messages_through_the_ring_while_the_receiver_reads(pair) -> None:
+    sender, receiver = pair
+    link = _switched(sender, receiver)
+    big = memoryview(bytearray(os.urandom(3 << 20)))  # 3 MiB through a 256 KiB ring
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (link.send([b"AR-header", big]), done.set()))
+    thread.start()
+    messages: list[list[object]] = []
+    assert wait_until(lambda: (messages.extend(receiver.receive(0.05)), len(messages))[1] == 1,
+                      timeout=20)
+    thread.join(10)
+    assert done.is_set() and bytes(messages[0][2].buffer) == bytes(big)  # type: ignore[attr-defined]
+
+
+def test_without_rings_everything_goes_by_socket() -> None:
+    sender = Transport(b"0:sender", secret="s", security="plain", rings=False)
+    receiver = Transport(b"1:receiver", secret="s", security="plain")
+    try:
+        link = sender.link(b"1:receiver", receiver.endpoint)
+        messages: list[list[object]] = []
+        for i in range(20):
+            link.send([b"AR-header", b"%d" % i])
+            messages.extend(receiver.receive(0.0))
+        assert wait_until(lambda: (messages.extend(receiver.receive(0.05)), len(messages))[1]
+                          == 20, timeout=20)
+        assert link.ring is None and receiver.rings_in() == 0 and receiver.ring_messages_in == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_an_offer_of_a_missing_segment_is_refused_and_the_socket_stays(pair, caplog) -> None:
+    sender, receiver = pair
+    link = sender.link(b"1:receiver", receiver.endpoint)
+    offered = link._offered
+    assert offered is not None
+    os.unlink(os.path.join(SHM_DIRECTORY, offered.name))  # gone before the receiver maps it
+    link.send([b"AR-header", b"by socket"])
+    messages: list[list[object]] = []
+    assert wait_until(lambda: (messages.extend(receiver.receive(0.05)), len(messages))[1] == 1,
+                      timeout=20)
+    assert "refused the ring" in caplog.text
+    assert wait_until(lambda: _answered(link), timeout=20)
+    link.send([b"AR-header", b"still by socket"])  # reads the refusal
+    assert link.ring is None and link._offered is None and receiver.rings_in() == 0
+    assert wait_until(lambda: (messages.extend(receiver.receive(0.05)), len(messages))[1] == 2,
+                      timeout=20)
+
+
+def test_dropping_a_link_forgets_the_peers_ring(pair) -> None:
+    sender, receiver = pair
+    _switched(sender, receiver)
+    assert receiver.rings_in() == 1
+    receiver.drop_link(b"0:sender")
+    assert receiver.rings_in() == 0
+
+
+# -- real workers ------------------------------------------------------------------------------
+
+
+def _ring_stats() -> dict[str, int]:
+    return rpc.get_worker_stats()["rings"]
+
+
+def test_workers_of_one_host_talk_through_rings(cluster: list[str]) -> None:
+    for i in range(20):
+        assert rpc.rpc_sync("worker1", max, args=(i, 3)) == max(i, 3)
+    local = rpc.get_worker_stats()["rings"]
+    remote = rpc.rpc_sync("worker1", _ring_stats)
+    assert local["out"] >= 1 and local["in"] >= 1 and local["messages_in"] >= 20
+    assert remote["out"] >= 1 and remote["in"] >= 1 and remote["messages_in"] >= 20
