@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 import actorrpc as rpc
-from actorrpc.errors import PeerUnreachableError, ProtocolError
+from actorrpc.errors import ProtocolError
 from actorrpc.transport import Transport
 from actorrpc.transport._ring import (
     Doorbell,
@@ -63,7 +63,17 @@ def _read_all(reader: RingReader, count: int, deadline_s: float = 10.0) -> list[
 
 def _payloads(message: list[object]) -> list[bytes]:
     first, *rest = message[1:]
-    return [bytes(first)] + [bytes(f.buffer) for f in rest]  # type: ignore[attr-defined]
+    return [bytes(first)] + [bytes(getattr(f, "buffer", f)) for f in rest]
+
+
+def _write(writer: RingWriter, frames: list[object]) -> None:
+    assert writer.write(frames), "no room in the ring"
+
+
+def _spill(writer: RingWriter, frames: list[object]) -> list[object]:
+    """What a link sends by socket for ``frames``, as its receiver sees it."""
+    spill = writer.spill_frames(frames)
+    return [b"peer", *[bytes(f) if not isinstance(f, bytes) else f for f in spill]]
 
 
 def test_messages_keep_order_and_frames_as_the_ring_wraps_around(ring) -> None:
@@ -71,54 +81,62 @@ def test_messages_keep_order_and_frames_as_the_ring_wraps_around(ring) -> None:
     sent = []
     for i in range(200):  # ~40 KiB through a 4 KiB ring: wraps many times
         frames = [b"H%d" % i, bytes([i % 256]) * (i % 150), b"tail"][: 1 + i % 3]
-        writer.write(frames, timeout=5.0)
+        _write(writer, frames)
         sent.append(frames)
         if i % 7 == 6:  # the reader drains now and then, often mid-way through the data area
             assert [_payloads(m) for m in _read_all(reader, 7)] == sent[-7:]
     rest = len(sent) % 7
     assert [_payloads(m) for m in _read_all(reader, rest)] == (sent[-rest:] if rest else [])
-    first = _read_all(reader, 0)
-    assert first == []
+    assert _read_all(reader, 0) == []
 
 
-def test_a_message_larger_than_the_ring_streams_through_while_read(ring) -> None:
+def test_what_does_not_fit_is_spilled_and_delivered_in_its_turn(ring) -> None:
     writer, reader, _ = ring
-    big = bytes(range(256)) * 100  # 25.6 KiB through a 4 KiB ring
-    view = memoryview(bytearray(big)).cast("B")
-    received: list[list[object]] = []
-    thread = threading.Thread(target=lambda: received.extend(_read_all(reader, 2)))
-    thread.start()
-    writer.write([b"header", view, b"x"], timeout=10.0)
-    writer.write([b"after"], timeout=10.0)
-    thread.join(20)
-    assert [_payloads(m) for m in received] == [[b"header", big, b"x"], [b"after"]]
+    _write(writer, [b"r0"])
+    assert not writer.write([b"x" * 5000])  # larger than the ring: the caller spills it
+    spill1 = _spill(writer, [b"s1", b"x" * 5000])
+    _write(writer, [b"r2"])
+    _write(writer, [b"r3", b"y" * 3000])
+    assert not writer.write([b"z" * 2000])  # no room now (the reader is behind)
+    spill4 = _spill(writer, [b"s4"])
+    messages: list[list[object]] = []
+    assert reader.read(b"peer", messages) == 1  # r0; r2 waits for spill 1
+    assert [_payloads(m) for m in messages] == [[b"r0"]]
+    assert not reader.ready()
+    # spill 4 comes before the reader looked again, spill 1 after it
+    assert reader.take_spill(b"peer", spill4, messages) == 0
+    assert reader.take_spill(b"peer", spill1, messages) == 4
+    assert [_payloads(m) for m in messages] == [
+        [b"r0"], [b"s1", b"x" * 5000], [b"r2"], [b"r3", b"y" * 3000], [b"s4"]]
+    with pytest.raises(ProtocolError, match="came twice"):
+        reader.take_spill(b"peer", spill4, messages)
 
 
-def test_a_writer_waits_for_space_then_fails_naming_the_reader(ring) -> None:
+def test_a_spill_that_was_not_sent_gives_its_turn_back(ring) -> None:
     writer, reader, _ = ring
-    writer.write([b"a" * 3000], timeout=1.0)
-    started = time.monotonic()
-    with pytest.raises(PeerUnreachableError, match="did not read its same-host ring"):
-        writer.write([b"b" * 3000], timeout=0.05)  # needs the first one read
-    assert time.monotonic() - started >= 0.04
-    assert not writer.broken  # nothing of it was written: the stream is intact
-    assert [_payloads(m) for m in _read_all(reader, 1)] == [[b"a" * 3000]]
-    writer.write([b"c" * 3000], timeout=1.0)
-    assert [_payloads(m) for m in _read_all(reader, 1)] == [[b"c" * 3000]]
+    writer.spill_frames([b"never sent"])
+    writer.take_back_spill()
+    _write(writer, [b"next"])
+    assert [_payloads(m) for m in _read_all(reader, 1)] == [[b"next"]]
 
 
-def test_a_streamed_message_that_times_out_breaks_the_ring(ring) -> None:
-    writer, _, _ = ring
-    with pytest.raises(PeerUnreachableError):
-        writer.write([b"z" * 10000], timeout=0.05)
-    assert writer.broken
-    with pytest.raises(PeerUnreachableError, match="half written"):
-        writer.write([b"next"], timeout=1.0)
+def test_a_spill_lost_with_its_connection_holds_the_ring_up_only_so_long(
+    ring, monkeypatch, caplog
+) -> None:
+    from actorrpc.transport import _ring
+
+    monkeypatch.setattr(_ring, "GATE_SECONDS", 0.05)
+    writer, reader, _ = ring
+    writer.spill_frames([b"lost"])
+    _write(writer, [b"after"])
+    assert not reader.ready()
+    assert [_payloads(m) for m in _read_all(reader, 1)] == [[b"after"]]
+    assert "spilled messages 0..0 did not arrive" in caplog.text
 
 
 def test_the_reader_waits_for_the_socket_messages_sent_before_the_ring() -> None:
     with _ring_of(2) as (writer, reader, _):
-        writer.write([b"by ring"], timeout=1.0)
+        _write(writer, [b"by ring"])
         assert not reader.ready() and _read_all(reader, 1, 0.05) == []
         reader.socket_seen = 1
         assert not reader.ready()
@@ -131,12 +149,12 @@ def test_buffers_go_in_memory_order_as_a_socket_sends_them(ring) -> None:
 
     writer, reader, _ = ring
     fortran = np.asfortranarray(np.arange(12, dtype=np.int32).reshape(3, 4))
-    writer.write([b"H", fortran, memoryview(b"abc")], timeout=1.0)
+    _write(writer, [b"H", fortran, memoryview(b"abc")])
     (message,) = _read_all(reader, 1)
     assert _payloads(message) == [b"H", fortran.tobytes(order="A"), b"abc"]
     with pytest.raises(BufferError):  # not contiguous: refused, nothing written
-        writer.write([b"H", np.arange(10)[::2]], timeout=1.0)
-    writer.write([b"after"], timeout=1.0)
+        writer.write([b"H", np.arange(10)[::2]])
+    _write(writer, [b"after"])
     assert [_payloads(m) for m in _read_all(reader, 1)] == [[b"after"]]
 
 
@@ -145,7 +163,7 @@ def test_a_ring_held_back_too_long_is_read_anyway(monkeypatch, caplog) -> None:
 
     monkeypatch.setattr(_ring, "GATE_SECONDS", 0.05)
     with _ring_of(3) as (writer, reader, _):  # 3 socket messages that never come
-        writer.write([b"by ring"], timeout=1.0)
+        _write(writer, [b"by ring"])
         assert not reader.ready()
         assert [_payloads(m) for m in _read_all(reader, 1)] == [[b"by ring"]]
         assert "3 of the 3 socket messages sent before it did not arrive" in caplog.text
@@ -156,16 +174,17 @@ def test_each_message_rings_the_doorbell(ring) -> None:
     doorbell.drain()
     with pytest.raises(BlockingIOError):
         os.read(doorbell.fd, 1)
-    writer.write([b"x"], timeout=1.0)
+    _write(writer, [b"x"])
     assert os.read(doorbell.fd, 10) == b"\0"
 
 
 def test_a_corrupt_record_is_a_protocol_error(ring) -> None:
     writer, reader, _ = ring
-    writer.write([b"fine"], timeout=1.0)
+    _write(writer, [b"fine"])
     assert len(_read_all(reader, 1)) == 1
-    writer._data[writer._head:writer._head + 4] = struct.pack("<I", 999_999)  # frame count
-    writer._words[0] = writer._head + 8
+    start = writer._head
+    writer._data[start:start + 12] = struct.pack("<QI", 1, 999_999)  # sequence, frame count
+    writer._words[0] = start + 16
     with pytest.raises(ProtocolError, match="999999 frames"):
         reader.read(b"peer", [])
 
@@ -259,18 +278,21 @@ def test_a_busy_poll_finds_a_ring_message(pair) -> None:
     assert receiver.busy_poll_hits == hits + 1
 
 
-def test_large_messages_through_the_ring_while_the_receiver_reads(pair) -> None:
+def test_large_messages_spill_and_keep_their_order_with_the_ring(pair) -> None:
     sender, receiver = pair
     link = _switched(sender, receiver)
-    big = memoryview(bytearray(os.urandom(3 << 20)))  # 3 MiB through a 256 KiB ring
-    done = threading.Event()
-    thread = threading.Thread(target=lambda: (link.send([b"AR-header", big]), done.set()))
-    thread.start()
+    big = memoryview(bytearray(os.urandom(3 << 20)))  # 3 MiB: more than a ring holds
+    sent = []
+    for i in range(40):
+        frames = [b"AR-header", b"%d" % i] + ([big] if i % 10 == 5 else [])
+        link.send(frames)
+        sent.append([bytes(f) for f in frames[1:]])
+    assert link.ring is not None and link.ring.spills >= 4
     messages: list[list[object]] = []
-    assert wait_until(lambda: (messages.extend(receiver.receive(0.05)), len(messages))[1] == 1,
+    assert wait_until(lambda: (messages.extend(receiver.receive(0.05)), len(messages))[1] == 40,
                       timeout=20)
-    thread.join(10)
-    assert done.is_set() and bytes(messages[0][2].buffer) == bytes(big)  # type: ignore[attr-defined]
+    assert [[bytes(f.buffer) for f in m[2:]] for m in messages] == sent  # type: ignore[attr-defined]
+    assert all(m[0] == b"0:sender" and m[1] == b"AR-header" for m in messages)
 
 
 def test_without_rings_everything_goes_by_socket() -> None:
@@ -330,3 +352,14 @@ def test_workers_of_one_host_talk_through_rings(cluster: list[str]) -> None:
     remote = rpc.rpc_sync("worker1", _ring_stats)
     assert local["out"] >= 1 and local["in"] >= 1 and local["messages_in"] >= 20
     assert remote["out"] >= 1 and remote["in"] >= 1 and remote["messages_in"] >= 20
+
+
+def test_frames_from_a_ring_read_as_bytes_like_socket_frames(ring) -> None:
+    from actorrpc.agent._dynamic_group import _parse
+
+    writer, reader, _ = ring
+    _write(writer, [b"AR-header", b'{"op": "probe"}'])
+    (message,) = _read_all(reader, 1)
+    frame = message[2]
+    assert bytes(frame) == frame.bytes == bytes(frame.buffer) == b'{"op": "probe"}'  # type: ignore[attr-defined]
+    assert _parse([frame]) == {"op": "probe"}  # (a MEMBERSHIP message's payload frame)

@@ -12,11 +12,12 @@ Segment layout (native byte order, 8-byte words; x86-64 only, see below)::
     offset   0   head    bytes written so far (the writer's; published after the data)
     offset  64   tail    bytes read so far (the reader's; its own cache line)
     offset 128   before  messages the writer sent by socket after its offer and before
-                         the ring's first message (written once, before head moves)
+                         it switched (written once, before head first moves)
     offset 256   data    ``capacity`` bytes (a power of two), a stream that wraps around
 
-Record (a stream of bytes, split at the end of the data area where it wraps)::
+Record (split at the end of the data area where it wraps)::
 
+    <Q  sequence number (0, 1, ... over every message sent after the switch)
     <I  number of frames n (1 .. MAX_FRAMES)
     <I  length of each frame, n times
         the frames' bytes, one after another
@@ -27,18 +28,22 @@ Invariants:
   time (the inbox's turn). The writer stores ``head`` only after the bytes it
   covers, the reader stores ``tail`` only after copying them out: on x86-64,
   8-byte aligned stores are atomic and stores are seen in program order, so a
-  reader never sees a ``head`` ahead of its data (other architectures keep
-  using the socket: :func:`rings_supported`).
-* A record that fits the ring is published whole (one ``head`` store); a
-  larger one streams through in pieces while the reader drains it.
+  reader never sees a ``head`` ahead of its data (elsewhere the socket is used:
+  :func:`rings_supported`). Records are published whole.
+* The writer never waits: a message that does not fit in the free space (a
+  reader behind, a message larger than the ring) goes by socket as a *spill*,
+  ``[SPILL, <Q sequence number, frames...]``, behind the libzmq queues as any
+  socket message. The reader delivers the ring's records and the spills of one
+  writer in sequence order (:meth:`RingReader.take_spill`).
 * Every record is followed by one byte written to the reader's doorbell (a
   FIFO) unless its buffer is full; a reader about to block drains the doorbell,
   looks at its rings once more and only then blocks on it, so no wake-up is
   lost.
-* Ordering with the socket: after its offer the writer keeps sending by
-  socket until the reader's acceptance arrives, counting those messages into
-  ``before``; the reader delivers the ring's messages only after that many
-  socket messages from the writer (:attr:`RingReader.socket_seen`).
+* The switch: after its offer the writer keeps sending by socket until the
+  reader's acceptance arrives, counting those messages into ``before``; the
+  reader delivers the ring's records only after that many plain socket
+  messages from the writer (:attr:`RingReader.socket_seen`). Spills follow
+  them on the same connection anyway.
 """
 
 from __future__ import annotations
@@ -50,11 +55,12 @@ import pickle
 import platform
 import stat
 import struct
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import PeerUnreachableError, ProtocolError
+from ..errors import ProtocolError
 from ._shared_memory import (
     SHM_DIRECTORY,
     check_segment_name,
@@ -65,8 +71,10 @@ from ._shared_memory import (
 )
 
 __all__ = [
+    "GATE_SECONDS",
     "MAX_FRAMES",
     "RING_BYTES",
+    "SPILL",
     "CopiedFrame",
     "Doorbell",
     "RingReader",
@@ -75,77 +83,84 @@ __all__ = [
 ]
 
 RING_BYTES = 1 << 20
-"""Data bytes of one ring (one per ordered pair of same-host workers that talk): room for
-~5,000 small messages, as a socket's queue holds 10,000. Pages are not pre-faulted: a
-pair that exchanges little uses little memory."""
+"""Data bytes of one ring (one per ordered pair of same-host workers that talk). Pages are
+not pre-faulted: a pair that exchanges little uses little memory."""
 MAX_FRAMES = 4096
+SPILL = b"!spill"
+"""First frame of a message that did not fit its ring and went by socket."""
+GATE_SECONDS = 5.0
+"""A ring whose next record waits longer than this, with no progress, for the socket
+messages sent before the switch or for a spill before it is read on anyway (those were
+lost with a dropped connection), with an error logged: one lost message, not every later
+one held back."""
 _HEAD, _TAIL, _BEFORE = 0, 8, 16  # word indexes (byte offsets 0, 64, 128)
 _DATA = 256
+_MIN_CAPACITY = 1 << 10
+_SEQUENCE = struct.Struct("<Q")
 _JOIN_LIMIT = 4096  # records up to this size are joined and copied in once
-GATE_SECONDS = 5.0
-"""A ring whose messages wait longer than this for the socket messages sent before it is
-read anyway (those were lost with a dropped connection), with an error logged: one lost
-message, not every later one held back."""
-_SPIN_SECONDS = 0.001  # a writer waiting for space yields this long, then sleeps
-_MAX_SLEEP_SECONDS = 0.002
 _monotonic = time.monotonic
 _log = logging.getLogger("actorrpc.transport")
 
 
 def rings_supported() -> bool:
-    """Whether this host can use rings (shared memory, and x86-64's store ordering)."""
-    return platform.machine().lower() in ("x86_64", "amd64") and shared_memory_available()
+    """Whether this process can use rings: a 64-bit x86 Python (atomic, ordered 8-byte
+    stores) and shared memory."""
+    return (
+        platform.machine().lower() in ("x86_64", "amd64")
+        and sys.maxsize > 2**32
+        and shared_memory_available()
+    )
 
 
-class CopiedFrame:
-    """A frame copied out of a ring, read as a ``zmq.Frame`` is (``buffer``, ``bytes``)."""
+class CopiedFrame(bytearray):
+    """A frame copied out of a ring, read as a ``zmq.Frame`` is (``buffer``, ``bytes``,
+    or as any bytes-like object)."""
 
-    __slots__ = ("buffer",)
+    __slots__ = ()
 
-    def __init__(self, data: bytearray) -> None:
-        self.buffer = memoryview(data)
+    @property
+    def buffer(self) -> memoryview:
+        return memoryview(self)
 
     @property
     def bytes(self) -> bytes:
-        return self.buffer.tobytes()
-
-    def __len__(self) -> int:
-        return self.buffer.nbytes
+        return bytes(self)
 
 
 class RingWriter:
     """The sending end: a new segment of this process, offered to one peer."""
 
     def __init__(self, capacity: int = RING_BYTES) -> None:
-        if capacity <= 0 or capacity & (capacity - 1):
-            raise ValueError(f"ring capacity must be a power of two, got {capacity}")
+        if capacity < _MIN_CAPACITY or capacity & (capacity - 1):
+            raise ValueError(f"ring capacity must be a power of two >= {_MIN_CAPACITY}")
         self.name, self._mapping = create_segment(_DATA + capacity, populate=False)
         self._words = memoryview(self._mapping).cast("Q")
         self._data = memoryview(self._mapping)[_DATA:]
         self._capacity = capacity
         self._head = 0
+        self._sequence = 0
         self._bell = -1
-        self.broken = False  # a record was left half written: the stream is unusable
+        self.spills = 0
 
     def start(self, bell_path: str, sent_before: int) -> None:
         """The reader accepted: open its doorbell, record the socket messages before."""
         check_segment_name(os.path.basename(bell_path))
         if os.path.dirname(bell_path) != SHM_DIRECTORY:
             raise ProtocolError(f"a ring doorbell must lie in {SHM_DIRECTORY}: {bell_path!r}")
-        fd = os.open(bell_path, os.O_WRONLY | os.O_NONBLOCK)
-        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+        fd = os.open(bell_path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY)
+        info = os.fstat(fd)
+        if not stat.S_ISFIFO(info.st_mode) or info.st_uid != os.getuid():
             os.close(fd)
-            raise ProtocolError(f"ring doorbell {bell_path!r} is not a FIFO")
+            raise ProtocolError(f"ring doorbell {bell_path!r} is not a FIFO of this user")
         self._bell = fd
         self._words[_BEFORE] = sent_before
         # the reader has mapped it: the name is no longer needed
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(SHM_DIRECTORY, self.name))
 
-    def write(self, frames: Sequence[Any], timeout: float) -> None:
-        """Append one message; waits up to ``timeout`` seconds (< 0: forever) for space."""
-        if self.broken:
-            raise PeerUnreachableError("a ring message was left half written (a send timed out)")
+    def write(self, frames: Sequence[Any]) -> bool:
+        """Append one message if it fits in the free space; False: send it as a spill
+        (:meth:`spill_frames`), in its place."""
         # (raw() gives the bytes of any contiguous buffer in memory order, as a socket sends)
         parts: list[Any] = [
             frame if type(frame) is bytes else pickle.PickleBuffer(frame).raw() for frame in frames
@@ -153,30 +168,36 @@ class RingWriter:
         if not 0 < len(parts) <= MAX_FRAMES:
             raise ValueError(f"a message has 1 to {MAX_FRAMES} frames, not {len(parts)}")
         lengths = [len(part) for part in parts]
-        prefix = struct.pack(f"<{len(parts) + 1}I", len(parts), *lengths)
+        prefix = struct.pack(f"<QI{len(parts)}I", self._sequence, len(parts), *lengths)
         total = len(prefix) + sum(lengths)
-        if total <= _JOIN_LIMIT:
-            parts = [b"".join([prefix, *parts])]
-        else:
-            parts.insert(0, prefix)
         head = self._head
-        words = self._words
-        if total <= self._capacity:
-            if self._capacity - (head - words[_TAIL]) < total:
-                self._wait_for_space(total, timeout)
+        if self._capacity - (head - self._words[_TAIL]) < total:
+            return False
+        if total <= _JOIN_LIMIT:
+            head = self._copy_in(head, b"".join([prefix, *parts]))
+        else:
+            head = self._copy_in(head, prefix)
             for part in parts:
                 head = self._copy_in(head, part)
-            # (an interrupt between the two leaves a record that goes with the next one,
-            # never one overwritten after it was published)
-            self._head = head
-            words[_HEAD] = head  # publishes the record (after its bytes)
-        else:
-            try:
-                self._stream(parts, timeout)
-            except BaseException:
-                self.broken = True  # part of a record is out: the stream cannot go on
-                raise
+        # (an interrupt between the two leaves a record that goes with the next one,
+        # never one overwritten after it was published)
+        self._head = head
+        self._sequence += 1
+        self._words[_HEAD] = head  # publishes the record (after its bytes)
         self._ring()
+        return True
+
+    def spill_frames(self, frames: Sequence[Any]) -> list[Any]:
+        """The frames that carry a message that did not fit by socket, in its turn."""
+        sequence = self._sequence
+        self._sequence += 1
+        self.spills += 1
+        return [SPILL, _SEQUENCE.pack(sequence), *frames]
+
+    def take_back_spill(self) -> None:
+        """The spill just made was not sent: its sequence number goes to the next message."""
+        self._sequence -= 1
+        self.spills -= 1
 
     def _copy_in(self, head: int, part: Any) -> int:
         capacity = self._capacity
@@ -190,41 +211,6 @@ class RingWriter:
             self._data[start:] = view[:first]
             self._data[:size - first] = view[first:]
         return head + size
-
-    def _stream(self, parts: list[Any], timeout: float) -> None:
-        """Write a record larger than the ring, publishing each piece as it goes in."""
-        words = self._words
-        for part in parts:
-            view = memoryview(part)
-            done = 0
-            while done < len(view):
-                free = self._capacity - (self._head - words[_TAIL])
-                if free == 0:
-                    self._ring()
-                    self._wait_for_space(1, timeout)
-                    continue
-                size = min(free, len(view) - done)
-                self._head = self._copy_in(self._head, view[done:done + size])
-                words[_HEAD] = self._head  # the reader drains it while the rest comes
-                done += size
-
-    def _wait_for_space(self, needed: int, timeout: float) -> None:
-        self._ring()  # a blocked reader must drain the ring
-        started = _monotonic()
-        deadline = started + timeout if timeout >= 0 else float("inf")
-        pause = 0.0001
-        while self._capacity - (self._head - self._words[_TAIL]) < needed:
-            now = _monotonic()
-            if now >= deadline:
-                raise PeerUnreachableError(
-                    f"the peer did not read its same-host ring within {timeout:g} s "
-                    "(it is not receiving)"
-                )
-            if now - started < _SPIN_SECONDS:
-                os.sched_yield()
-            else:
-                time.sleep(min(pause, max(0.0, deadline - now)))
-                pause = min(2 * pause, _MAX_SLEEP_SECONDS)
 
     def _ring(self) -> None:
         if self._bell >= 0:
@@ -251,7 +237,7 @@ class RingReader:
     """The receiving end of one peer's ring (mapped by name from its offer)."""
 
     def __init__(self, name: str) -> None:
-        mapping = map_segment(check_segment_name(name), _DATA + 1, populate=False)
+        mapping = map_segment(check_segment_name(name), _DATA + _MIN_CAPACITY, populate=False)
         capacity = len(mapping) - _DATA
         if capacity & (capacity - 1):
             mapping.close()
@@ -262,102 +248,103 @@ class RingReader:
         self._data = memoryview(mapping)[_DATA:]
         self._capacity = capacity
         self._tail = 0
-        self.socket_seen = 0  # socket messages from the writer since its offer
-        self.open = False  # the socket messages before the ring's first have all come
-        self._gated_since = 0.0  # when the ring was first seen holding a message, gated
-        self._partial: bytearray | None = None  # a record larger than the ring, so far
-        self._partial_lengths: tuple[int, ...] = ()
-        self._partial_done = 0
+        self._expected = 0  # sequence number of the next message to deliver
+        self._spilled: dict[int, list[Any]] = {}  # spills that came before their turn
+        self.socket_seen = 0  # plain socket messages from the writer since its offer
+        self.open = False  # the socket messages before the switch have all come
+        self._stalled_since = 0.0  # when the ring was first seen waiting (_waited_too_long)
+        self._stalled_at: int | None = None  # for what then
 
     def ready(self) -> bool:
-        """Whether a message (or part of a large one) may be read now."""
+        """Whether the next message in sequence may be delivered now."""
+        if self._expected in self._spilled:
+            return True
         if self._words[_HEAD] == self._tail:
             return False
         if not self.open:
-            self.open = self.socket_seen >= self._words[_BEFORE] or self._gate_expired()
-        return self.open
+            before = self._words[_BEFORE]
+            self.open = self.socket_seen >= before or self._waited_too_long(
+                self.socket_seen,
+                f"{before - self.socket_seen} of the {before} socket messages sent before it",
+            )
+            if not self.open:
+                return False
+        waiting = self._next_sequence()
+        if waiting > self._expected and self._waited_too_long(
+            -1 - self._expected, f"spilled messages {self._expected}..{waiting - 1}"
+        ):
+            self._expected = waiting  # lost with a dropped connection
+        return waiting == self._expected
 
-    def _gate_expired(self) -> bool:
+    def _waited_too_long(self, progress: int, what: str) -> bool:
+        """Whether the ring has waited :data:`GATE_SECONDS` for ``what`` with no progress
+        (``progress`` the same value all along); logs it then."""
         now = _monotonic()
-        if not self._gated_since:
-            self._gated_since = now
+        if self._stalled_at != progress:  # (re)start: things still come
+            self._stalled_since, self._stalled_at = now, progress
             return False
-        if now - self._gated_since < GATE_SECONDS:
+        if now - self._stalled_since < GATE_SECONDS:
             return False
-        _log.error(
-            "ring %s: %d of the %d socket messages sent before it did not arrive within "
-            "%g s (a dropped connection): reading it anyway", self.name,
-            self._words[_BEFORE] - self.socket_seen, self._words[_BEFORE], GATE_SECONDS,
-        )
+        _log.error("ring %s: %s did not arrive within %g s (a dropped connection): "
+                   "reading on", self.name, what, GATE_SECONDS)
+        self._stalled_at = None
         return True
 
+    def take_spill(self, identity: bytes, message: list[Any], into: list[list[Any]]) -> int:
+        """A spill ``[identity, SPILL, sequence, frames...]`` came: deliver what is due."""
+        if len(message) < 4 or len(message[2]) != _SEQUENCE.size:
+            raise ProtocolError(f"ring {self.name}: a malformed spill")
+        (sequence,) = _SEQUENCE.unpack(message[2])
+        if sequence < self._expected or sequence in self._spilled:
+            raise ProtocolError(f"ring {self.name}: spill {sequence} came twice")
+        first = message[3]
+        self._spilled[sequence] = [identity, first if type(first) is bytes else first.bytes,
+                                   *message[4:]]
+        return self.read(identity, into)
+
     def read(self, identity: bytes, into: list[list[Any]]) -> int:
-        """Append the complete messages waiting, as ``[identity, first frame, later...]``."""
-        if not self.ready():
-            return 0
-        head = self._words[_HEAD]
-        tail = self._tail
+        """Append the messages due, as ``[identity, first frame, later frames...]``."""
         count = 0
-        while tail < head:
-            if self._partial is not None:
-                tail = self._continue_partial(tail, head, identity, into)
-                if self._partial is not None:
-                    break
-                count += 1
-                continue
-            available = head - tail
-            if available < 4:
-                break
-            (nframes,) = self._read_counts(tail, 1)
-            if not 0 < nframes <= MAX_FRAMES:
-                raise ProtocolError(f"ring {self.name}: a record of {nframes} frames")
-            prefix_size = 4 + 4 * nframes
-            if available < prefix_size:
-                break
-            lengths = self._read_counts(tail + 4, nframes)
-            size = prefix_size + sum(lengths)
-            if available >= size:
-                into.append(self._frames(identity, tail + prefix_size, lengths))
-                tail += size
-                count += 1
-            elif size > self._capacity:  # streams in: collect it
-                self._partial = bytearray(size - prefix_size)
-                self._partial_lengths = lengths
-                self._partial_done = 0
-                tail += prefix_size
+        while self.ready():
+            spilled = self._spilled.pop(self._expected, None)
+            if spilled is not None:
+                into.append(spilled)
             else:
-                break  # (a whole record is published at once: not reached)
-        self._tail = tail
-        self._words[_TAIL] = tail
+                self._take_record(identity, into)
+            self._expected += 1
+            count += 1
+        if self.open and self._words[_HEAD] != self._tail:  # waits for a spill, or corrupt
+            waiting = self._next_sequence()
+            if waiting < self._expected:
+                raise ProtocolError(f"ring {self.name}: record {waiting} came twice")
         return count
 
-    def _frames(self, identity: bytes, position: int, lengths: Sequence[int]) -> list[Any]:
+    def _next_sequence(self) -> int:
+        start = self._tail & (self._capacity - 1)
+        if start + 8 <= self._capacity:
+            return int(_SEQUENCE.unpack_from(self._data, start)[0])
+        return int(_SEQUENCE.unpack(self._copy_out(self._tail, 8))[0])
+
+    def _take_record(self, identity: bytes, into: list[list[Any]]) -> None:
+        tail = self._tail
+        available = self._words[_HEAD] - tail
+        (nframes,) = self._read_counts(tail + 8, 1)
+        prefix = 12 + 4 * nframes
+        if not 0 < nframes <= MAX_FRAMES or available < prefix:
+            raise ProtocolError(f"ring {self.name}: a record of {nframes} frames")
+        lengths = self._read_counts(tail + 12, nframes)
+        size = prefix + sum(lengths)
+        if available < size:
+            raise ProtocolError(f"ring {self.name}: a record runs past the data written")
+        position = tail + prefix
         message: list[Any] = [identity, self._copy_out(position, lengths[0], bytes)]
         position += lengths[0]
         for length in lengths[1:]:
-            message.append(CopiedFrame(self._copy_out(position, length)))
+            message.append(self._copy_out(position, length, CopiedFrame))
             position += length
-        return message
-
-    def _continue_partial(self, tail: int, head: int, identity: bytes,
-                          into: list[list[Any]]) -> int:
-        partial = self._partial
-        assert partial is not None
-        size = min(head - tail, len(partial) - self._partial_done)
-        partial[self._partial_done:self._partial_done + size] = self._copy_out(tail, size)
-        self._partial_done += size
-        tail += size
-        if self._partial_done == len(partial):
-            view = memoryview(partial)
-            lengths = self._partial_lengths
-            message: list[Any] = [identity, view[:lengths[0]].tobytes()]
-            position = lengths[0]
-            for length in lengths[1:]:
-                message.append(CopiedFrame(bytearray(view[position:position + length])))
-                position += length
-            into.append(message)
-            self._partial = None
-        return tail
+        into.append(message)
+        self._tail = tail + size
+        self._words[_TAIL] = self._tail  # the writer may reuse the space now
 
     def _read_counts(self, position: int, count: int) -> tuple[int, ...]:
         start = position & (self._capacity - 1)

@@ -6,6 +6,8 @@ The handshake (transport control messages start with ``!``; an agent's start wit
     offerer DEALER -> receiver ROUTER   [RING_OFFER, ring name]
     receiver ROUTER -> offerer DEALER   [RING_ACCEPT, ring name, doorbell path]
                                      or [RING_REFUSE, ring name]
+    writer DEALER -> reader ROUTER      [SPILL, <Q sequence number, frames...]
+                                        (a message that did not fit the ring, ``_ring``)
 
 The answer goes back on the connection the offer came on, so it reaches the very
 socket that offered (no second connection to the offerer is made); the offerer
@@ -16,7 +18,10 @@ Invariants:
 * Only the thread holding the inbox (one at a time) reads rings and counts
   socket messages; the registry's lock only guards the snapshot it iterates.
 * A peer's ring is read only after the socket messages its writer sent before
-  the switch (``RingReader.socket_seen``), so the two paths keep one order.
+  the switch (``RingReader.socket_seen``), and its records and spills in
+  sequence order, so the two paths keep one order.
+* A new offer from a peer whose ring is read (a new link of the same worker)
+  first delivers what the old ring holds.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import threading
 from typing import Any
 
 from ..errors import ProtocolError
-from ._ring import Doorbell, RingReader, rings_supported
+from ._ring import SPILL, Doorbell, RingReader, rings_supported
 
 __all__ = ["RING_ACCEPT", "RING_OFFER", "RING_REFUSE", "RingInbox"]
 
@@ -40,7 +45,8 @@ _log = logging.getLogger("actorrpc.transport")
 class RingInbox:
     """The peers' rings one transport reads, by sender identity."""
 
-    def __init__(self) -> None:
+    def __init__(self, accept: bool) -> None:
+        self._accept = accept and rings_supported()  # (else every offer is refused)
         self._readers: dict[bytes, RingReader] = {}
         self.snapshot: tuple[tuple[bytes, RingReader], ...] = ()  # what receivers iterate
         self.gated: dict[bytes, RingReader] = {}  # readers still counting socket messages
@@ -48,13 +54,26 @@ class RingInbox:
         self.doorbell: Doorbell | None = None
         self.messages_in = 0
 
-    def answer_offer(self, identity: bytes, frames: list[Any]) -> list[bytes]:
-        """The answer to ``identity``'s control message (frames after its identity)."""
-        name = bytes(frames[1]) if len(frames) == 2 else b""
-        if bytes(frames[0]) != RING_OFFER or not name:
+    def on_control(self, message: list[Any], into: list[list[Any]]) -> list[bytes]:
+        """Handle a control message ``[identity, kind, ...]`` that came by socket; the
+        answer to send back on its connection (empty: none)."""
+        identity, kind = message[0], message[1]
+        if kind == SPILL:
+            reader = self._readers.get(identity)
+            try:
+                if reader is None:  # a ring no longer read: in arrival order, as best it can
+                    into.append([identity, bytes(message[3]), *message[4:]])
+                else:
+                    self.messages_in += reader.take_spill(identity, message, into)
+            except Exception as exc:  # noqa: BLE001 - a malformed message is dropped
+                _log.error("dropped the ring of %r: %s", identity, exc)
+                self.forget(identity)
+            return []
+        name = bytes(message[2]) if len(message) == 3 else b""
+        if kind != RING_OFFER or not name:
             _log.warning("dropped an unknown transport control message from %r", identity)
             return []
-        if not rings_supported():
+        if not self._accept:
             return [RING_REFUSE, name]
         try:
             reader = RingReader(name.decode("ascii"))
@@ -63,8 +82,11 @@ class RingInbox:
         except (OSError, ProtocolError, UnicodeDecodeError) as exc:
             _log.warning("refused the ring of %r: %s", identity, exc)
             return [RING_REFUSE, name]
+        previous = self._readers.get(identity)
+        if previous is not None:  # an earlier link's ring: what it holds comes first
+            self._read_one(identity, previous, into)
         with self._lock:
-            self._readers[identity] = reader  # (a ring of an earlier connection is dropped)
+            self._readers[identity] = reader
             self.gated[identity] = reader
             self.snapshot = tuple(self._readers.items())
         return [RING_ACCEPT, name, self.doorbell.path.encode()]
@@ -83,19 +105,22 @@ class RingInbox:
         return False
 
     def read(self, messages: list[list[Any]]) -> None:
-        """Append the complete messages waiting in the rings."""
+        """Append the messages due from the rings."""
         for identity, reader in self.snapshot:
-            try:
-                count = reader.read(identity, messages)
-            except ProtocolError as exc:
-                _log.error("dropped the ring of %r: %s", identity, exc)
-                self.forget(identity)
-                continue
-            if count:
-                self.messages_in += count
-                if identity in self.gated:  # open now: no more counting
-                    with self._lock:
-                        self.gated.pop(identity, None)
+            self._read_one(identity, reader, messages)
+
+    def _read_one(self, identity: bytes, reader: RingReader, messages: list[list[Any]]) -> None:
+        try:
+            count = reader.read(identity, messages)
+        except Exception as exc:  # noqa: BLE001 - a corrupt ring is dropped, not the batch
+            _log.error("dropped the ring of %r: %s", identity, exc)
+            self.forget(identity)
+            return
+        if count:
+            self.messages_in += count
+            if identity in self.gated and reader.open:  # no more counting
+                with self._lock:
+                    self.gated.pop(identity, None)
 
     def close(self) -> None:
         with self._lock:

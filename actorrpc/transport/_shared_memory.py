@@ -34,6 +34,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 import threading
 import weakref
@@ -255,11 +256,16 @@ def map_segment(name: str, nbytes: int, populate: bool = True) -> mmap.mmap:
     """Map all of segment ``name`` (pre-faulted if ``populate``), checking it holds
     ``nbytes``."""
     try:
-        fd = os.open(os.path.join(SHM_DIRECTORY, name), os.O_RDWR)
+        fd = os.open(os.path.join(SHM_DIRECTORY, name), os.O_RDWR | os.O_NOFOLLOW | os.O_NOCTTY)
     except FileNotFoundError as exc:
         raise ProtocolError(f"shared-memory segment {name} is gone (its sender closed)") from exc
+    except OSError as exc:  # (a symbolic link, say)
+        raise ProtocolError(f"cannot open shared-memory segment {name}: {exc}") from exc
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise ProtocolError(f"shared-memory segment {name} is not a file of this user")
+        size = info.st_size
         if nbytes > size:
             raise ProtocolError(f"shared-memory segment {name} does not hold {nbytes} bytes")
         return mmap.mmap(fd, size, flags=_MAP_FLAGS if populate else mmap.MAP_SHARED)

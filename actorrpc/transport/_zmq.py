@@ -104,12 +104,11 @@ class _CurveKeyCheck:
 class PeerLink:
     """A DEALER socket connected to one peer's inbox, safe to share between threads."""
 
-    def __init__(self, socket: zmq.Socket[Any], endpoint: str, send_timeout: float = -1.0) -> None:
+    def __init__(self, socket: zmq.Socket[Any], endpoint: str) -> None:
         self._socket = socket
         self._lock = threading.Lock()
         self.endpoint = endpoint
         self.closed = False
-        self._send_timeout = send_timeout  # seconds, < 0: no limit
         self.ring: RingWriter | None = None  # in use: every message goes through it
         self._offered: RingWriter | None = None  # offered, not accepted yet
         self._sent_since_offer = 0
@@ -128,9 +127,10 @@ class PeerLink:
             if ring is None and self._offered is not None:
                 ring = self._answer_to_offer()
             if ring is not None:
-                ring.write(frames, self._send_timeout)
-                return
-            self._sent_since_offer += 1
+                if ring.write(frames):
+                    return
+                frames = ring.spill_frames(frames)  # no room: by socket, in its turn
+                last = len(frames) - 1
             try:
                 for index, frame in enumerate(frames):
                     flags = _SNDMORE if index < last else 0
@@ -140,12 +140,18 @@ class PeerLink:
                         big = isinstance(frame, memoryview) and frame.nbytes >= _COPY_THRESHOLD
                         _socket_send(socket, frame, flags, not big)
             except zmq.Again as exc:
+                if ring is not None:
+                    ring.take_back_spill()
                 raise PeerUnreachableError(
                     f"peer at {self.endpoint} did not accept a message in time "
                     "(it is not reading, or the connection is down)"
                 ) from exc
             except zmq.ZMQError as exc:
+                if ring is not None:
+                    ring.take_back_spill()
                 raise PeerUnreachableError(f"sending to {self.endpoint} failed: {exc}") from exc
+            if ring is None:
+                self._sent_since_offer += 1
 
     def offer_ring(self) -> None:
         """Offer the peer a ring for this link's messages (see ``_ring_inbox``)."""
@@ -243,7 +249,7 @@ class Transport:
         self._secret = secret or ""
         self._send_timeout_ms = int(send_timeout * 1000) if send_timeout > 0 else -1
         self._rings = rings and rings_supported()
-        self._ring_inbox = RingInbox()  # peers' rings (read whether or not ``rings``)
+        self._ring_inbox = RingInbox(accept=self._rings)  # peers' rings
         self._hwm = high_water_mark
         self._context: zmq.Context[Any] = zmq.Context()
         # libzmq's threads of this transport are named "<n>/ZMQbg/...": set before the
@@ -365,7 +371,7 @@ class Transport:
                 raise PeerUnreachableError(f"cannot connect to {endpoint}: {exc}") from exc
             if link is not None:
                 link.close()
-            link = PeerLink(socket, endpoint, self._send_timeout_ms / 1000)
+            link = PeerLink(socket, endpoint)
             self._links[peer] = link
         if self._rings and peer != self._identity and _host(endpoint) == _host(self.endpoint):
             link.offer_ring()
@@ -452,22 +458,22 @@ class Transport:
                     frame = _socket_recv(inbox, 0, False)
                     message.append(frame)
             if message[0] != _WAKE_ID:
-                if gated:
-                    reader = gated.get(message[0])
-                    if reader is not None:
-                        reader.socket_seen += 1
                 if len(message) > 1 and message[1][:1] == _CONTROL:
-                    self._answer_control(message)
+                    self._answer_control(message, messages)
                 else:
+                    if gated:
+                        reader = gated.get(message[0])
+                        if reader is not None:
+                            reader.socket_seen += 1
                     messages.append(message)
             if count == _RECV_BATCH or not int(_socket_get(inbox, _EVENTS)) & _POLLIN:
                 break
             frame = _socket_recv(inbox, 0, False)
 
-    def _answer_control(self, message: list[Any]) -> None:
-        """Answer a ring offer on the connection it came on (see ``_ring_inbox``)."""
+    def _answer_control(self, message: list[Any], messages: list[list[Any]]) -> None:
+        """A ring's spill, or an offer answered on its connection (see ``_ring_inbox``)."""
         identity = message[0]
-        answer = self._ring_inbox.answer_offer(identity, message[1:])
+        answer = self._ring_inbox.on_control(message, messages)
         if not answer:
             return
         try:
