@@ -106,6 +106,18 @@ mapping any more, the receiver hands the segment names back to the sender,
 which may then reuse them, in ``SHM_RELEASE`` notifications (which ride along,
 see below).
 
+Same-host rings
+---------------
+Between workers on one host (x86-64), the messages above may travel through a
+shared-memory ring instead of the socket, unchanged: the same frames, framed
+by the ring's records (spec in ``actorrpc/transport/_ring.py``). The ring is
+offered and accepted with transport control messages whose first frame starts
+with ``!`` (a message of this protocol starts with ``AR``, so the two never
+meet); a message that does not fit the ring's free space goes by socket as a
+spill ``[b"!spill", <Q sequence number, frames...]``, and the receiver
+delivers ring records and spills in sequence order. Higher layers never see
+the difference.
+
 Notifications riding on a message
 ---------------------------------
 A notification nobody waits for (an RRef user's delete, a segment release)

@@ -45,6 +45,9 @@ _USER = "actorrpc"
 _RECV_BATCH = 256
 _WAKE_ID = b"!wake"  # agent identities start with a rank digit
 _CONTROL = b"!"  # transport control messages start with it (``_ring_inbox``)
+# False: links whose ring is in use send every message as a spill, by socket (in order
+# with the ring all the same): a same-run A/B switch (benchmarks/ab_switch.py)
+_SEND_THROUGH_RINGS = True
 _COPY_THRESHOLD = 65536  # memoryview frames at least this big are sent zero-copy
 _log = logging.getLogger("actorrpc.transport")
 _thread_name_prefixes = itertools.count(1)  # one per transport (ZMQ_THREAD_NAME_PREFIX)
@@ -127,7 +130,7 @@ class PeerLink:
             if ring is None and self._offered is not None:
                 ring = self._answer_to_offer()
             if ring is not None:
-                if ring.write(frames):
+                if _SEND_THROUGH_RINGS and ring.write(frames):
                     return
                 frames = ring.spill_frames(frames)  # no room: by socket, in its turn
                 last = len(frames) - 1
