@@ -295,18 +295,23 @@ def test_large_messages_spill_and_keep_their_order_with_the_ring(pair) -> None:
     assert all(m[0] == b"0:sender" and m[1] == b"AR-header" for m in messages)
 
 
-def test_without_rings_everything_goes_by_socket() -> None:
-    sender = Transport(b"0:sender", secret="s", security="plain", rings=False)
-    receiver = Transport(b"1:receiver", secret="s", security="plain")
+@pytest.mark.parametrize("off", ["sender", "receiver"])
+def test_without_rings_everything_goes_by_socket(off: str) -> None:
+    sender = Transport(b"0:sender", secret="s", security="plain", rings=off != "sender")
+    receiver = Transport(b"1:receiver", secret="s", security="plain", rings=off != "receiver")
     try:
         link = sender.link(b"1:receiver", receiver.endpoint)
         messages: list[list[object]] = []
         for i in range(20):
             link.send([b"AR-header", b"%d" % i])
             messages.extend(receiver.receive(0.0))
+        if off == "receiver":  # it refused the offer
+            assert wait_until(lambda: _answered(link), timeout=20)
+        link.send([b"AR-header", b"last"])  # (reads the refusal)
         assert wait_until(lambda: (messages.extend(receiver.receive(0.05)), len(messages))[1]
-                          == 20, timeout=20)
-        assert link.ring is None and receiver.rings_in() == 0 and receiver.ring_messages_in == 0
+                          == 21, timeout=20)
+        assert link.ring is None and link._offered is None
+        assert receiver.rings_in() == 0 and receiver.ring_messages_in == 0
     finally:
         sender.close()
         receiver.close()

@@ -97,6 +97,7 @@ _HEAD, _TAIL, _BEFORE = 0, 8, 16  # word indexes (byte offsets 0, 64, 128)
 _DATA = 256
 _MIN_CAPACITY = 1 << 10
 _SEQUENCE = struct.Struct("<Q")
+_ONE_FRAME = struct.Struct("<QII")  # a record's prefix: sequence, 1 frame, its length
 _JOIN_LIMIT = 4096  # records up to this size are joined and copied in once
 _monotonic = time.monotonic
 _log = logging.getLogger("actorrpc.transport")
@@ -161,24 +162,32 @@ class RingWriter:
     def write(self, frames: Sequence[Any]) -> bool:
         """Append one message if it fits in the free space; False: send it as a spill
         (:meth:`spill_frames`), in its place."""
-        # (raw() gives the bytes of any contiguous buffer in memory order, as a socket sends)
-        parts: list[Any] = [
-            frame if type(frame) is bytes else pickle.PickleBuffer(frame).raw() for frame in frames
-        ]
-        if not 0 < len(parts) <= MAX_FRAMES:
-            raise ValueError(f"a message has 1 to {MAX_FRAMES} frames, not {len(parts)}")
-        lengths = [len(part) for part in parts]
-        prefix = struct.pack(f"<QI{len(parts)}I", self._sequence, len(parts), *lengths)
-        total = len(prefix) + sum(lengths)
         head = self._head
-        if self._capacity - (head - self._words[_TAIL]) < total:
-            return False
-        if total <= _JOIN_LIMIT:
-            head = self._copy_in(head, b"".join([prefix, *parts]))
+        first = frames[0]
+        if len(frames) == 1 and type(first) is bytes:  # the common case: one small frame
+            total = _ONE_FRAME.size + len(first)
+            if self._capacity - (head - self._words[_TAIL]) < total:
+                return False
+            head = self._copy_in(head, _ONE_FRAME.pack(self._sequence, 1, len(first)) + first)
         else:
-            head = self._copy_in(head, prefix)
-            for part in parts:
-                head = self._copy_in(head, part)
+            # (raw() gives the bytes of any contiguous buffer in memory order, as a socket
+            # sends them)
+            parts: list[Any] = [
+                f if type(f) is bytes else pickle.PickleBuffer(f).raw() for f in frames
+            ]
+            if not 0 < len(parts) <= MAX_FRAMES:
+                raise ValueError(f"a message has 1 to {MAX_FRAMES} frames, not {len(parts)}")
+            lengths = [len(part) for part in parts]
+            prefix = struct.pack(f"<QI{len(parts)}I", self._sequence, len(parts), *lengths)
+            total = len(prefix) + sum(lengths)
+            if self._capacity - (head - self._words[_TAIL]) < total:
+                return False
+            if total <= _JOIN_LIMIT:
+                head = self._copy_in(head, b"".join([prefix, *parts]))
+            else:
+                head = self._copy_in(head, prefix)
+                for part in parts:
+                    head = self._copy_in(head, part)
         # (an interrupt between the two leaves a record that goes with the next one,
         # never one overwritten after it was published)
         self._head = head
@@ -257,24 +266,24 @@ class RingReader:
 
     def ready(self) -> bool:
         """Whether the next message in sequence may be delivered now."""
-        if self._expected in self._spilled:
+        if self._spilled and self._expected in self._spilled:
             return True
-        if self._words[_HEAD] == self._tail:
+        if self._words[_HEAD] == self._tail or not (self.open or self._open_gate()):
             return False
-        if not self.open:
-            before = self._words[_BEFORE]
-            self.open = self.socket_seen >= before or self._waited_too_long(
-                self.socket_seen,
-                f"{before - self.socket_seen} of the {before} socket messages sent before it",
-            )
-            if not self.open:
-                return False
         waiting = self._next_sequence()
         if waiting > self._expected and self._waited_too_long(
             -1 - self._expected, f"spilled messages {self._expected}..{waiting - 1}"
         ):
             self._expected = waiting  # lost with a dropped connection
         return waiting == self._expected
+
+    def _open_gate(self) -> bool:
+        before = self._words[_BEFORE]
+        self.open = self.socket_seen >= before or self._waited_too_long(
+            self.socket_seen,
+            f"{before - self.socket_seen} of the {before} socket messages sent before it",
+        )
+        return self.open
 
     def _waited_too_long(self, progress: int, what: str) -> bool:
         """Whether the ring has waited :data:`GATE_SECONDS` for ``what`` with no progress
@@ -306,13 +315,15 @@ class RingReader:
         """Append the messages due, as ``[identity, first frame, later frames...]``."""
         count = 0
         while self.ready():
-            spilled = self._spilled.pop(self._expected, None)
+            spilled = self._spilled.pop(self._expected, None) if self._spilled else None
             if spilled is not None:
                 into.append(spilled)
             else:
                 self._take_record(identity, into)
             self._expected += 1
             count += 1
+        if count:
+            self._words[_TAIL] = self._tail  # the writer may reuse the space now
         if self.open and self._words[_HEAD] != self._tail:  # waits for a spill, or corrupt
             waiting = self._next_sequence()
             if waiting < self._expected:
@@ -328,7 +339,18 @@ class RingReader:
     def _take_record(self, identity: bytes, into: list[list[Any]]) -> None:
         tail = self._tail
         available = self._words[_HEAD] - tail
-        (nframes,) = self._read_counts(tail + 8, 1)
+        start = tail & (self._capacity - 1)
+        if start + _ONE_FRAME.size <= self._capacity:
+            _, nframes, first = _ONE_FRAME.unpack_from(self._data, start)
+        else:
+            _, nframes, first = _ONE_FRAME.unpack(self._copy_out(tail, _ONE_FRAME.size))
+        if nframes == 1:
+            size = _ONE_FRAME.size + first
+            if available < size:
+                raise ProtocolError(f"ring {self.name}: a record runs past the data written")
+            into.append([identity, self._copy_out(tail + _ONE_FRAME.size, first, bytes)])
+            self._tail = tail + size
+            return
         prefix = 12 + 4 * nframes
         if not 0 < nframes <= MAX_FRAMES or available < prefix:
             raise ProtocolError(f"ring {self.name}: a record of {nframes} frames")
@@ -344,7 +366,6 @@ class RingReader:
             position += length
         into.append(message)
         self._tail = tail + size
-        self._words[_TAIL] = self._tail  # the writer may reuse the space now
 
     def _read_counts(self, position: int, count: int) -> tuple[int, ...]:
         start = position & (self._capacity - 1)
