@@ -17,6 +17,7 @@ import actorrpc as rpc
 from actorrpc.errors import ProtocolError
 from actorrpc.transport import Transport
 from actorrpc.transport._ring import (
+    MAX_FRAMES,
     Doorbell,
     RingReader,
     RingWriter,
@@ -110,6 +111,16 @@ def test_what_does_not_fit_is_spilled_and_delivered_in_its_turn(ring) -> None:
         [b"r0"], [b"s1", b"x" * 5000], [b"r2"], [b"r3", b"y" * 3000], [b"s4"]]
     with pytest.raises(ProtocolError, match="came twice"):
         reader.take_spill(b"peer", spill4, messages)
+
+
+def test_a_message_of_more_frames_than_a_record_holds_is_spilled(ring) -> None:
+    writer, reader, _ = ring
+    many = [b"AR-header"] + [b"f"] * MAX_FRAMES  # (out-of-band buffers of a big pickle)
+    assert not writer.write(many)
+    spill = _spill(writer, many)
+    messages: list[list[object]] = []
+    assert reader.take_spill(b"peer", spill, messages) == 1
+    assert len(messages[0]) == 1 + len(many)
 
 
 def test_a_spill_that_was_not_sent_gives_its_turn_back(ring) -> None:

@@ -175,8 +175,8 @@ class RingWriter:
             parts: list[Any] = [
                 f if type(f) is bytes else pickle.PickleBuffer(f).raw() for f in frames
             ]
-            if not 0 < len(parts) <= MAX_FRAMES:
-                raise ValueError(f"a message has 1 to {MAX_FRAMES} frames, not {len(parts)}")
+            if len(parts) > MAX_FRAMES:
+                return False  # (a record of more is taken for a corrupt one)
             lengths = [len(part) for part in parts]
             prefix = struct.pack(f"<QI{len(parts)}I", self._sequence, len(parts), *lengths)
             total = len(prefix) + sum(lengths)

@@ -493,7 +493,10 @@ class Transport:
         assert doorbell is not None
         for attempt in range(2):
             if int(_socket_get(inbox, _EVENTS)) & _POLLIN:
-                self._take_batch(_socket_recv(inbox, _NOBLOCK, False), messages)
+                try:
+                    self._take_batch(_socket_recv(inbox, _NOBLOCK, False), messages)
+                except zmq.Again:
+                    pass
             rings.read(messages)
             if messages or timeout <= 0 or attempt:
                 return messages
