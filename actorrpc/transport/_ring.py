@@ -71,7 +71,7 @@ from ._shared_memory import (
 )
 
 __all__ = [
-    "GATE_SECONDS",
+    "WAIT_WARNING_SECONDS",
     "MAX_FRAMES",
     "RING_BYTES",
     "SPILL",
@@ -82,17 +82,16 @@ __all__ = [
     "rings_supported",
 ]
 
-RING_BYTES = 1 << 20
-"""Data bytes of one ring (one per ordered pair of same-host workers that talk). Pages are
-not pre-faulted: a pair that exchanges little uses little memory."""
+RING_BYTES = 1 << 18
+"""Data bytes of one ring (one per ordered pair of same-host workers that talk): ~1,300
+small messages; what does not fit goes by socket (a spill). Its pages are reserved when
+it is made (a full ``/dev/shm`` refuses the ring instead of failing a later write)."""
 MAX_FRAMES = 4096
 SPILL = b"!spill"
 """First frame of a message that did not fit its ring and went by socket."""
-GATE_SECONDS = 5.0
-"""A ring whose next record waits longer than this, with no progress, for the socket
-messages sent before the switch or for a spill before it is read on anyway (those were
-lost with a dropped connection), with an error logged: one lost message, not every later
-one held back."""
+WAIT_WARNING_SECONDS = 30.0
+"""A ring whose next message (a spill, or the socket messages before the switch) has been
+missing this long, with no progress, is reported once in the log."""
 _HEAD, _TAIL, _BEFORE = 0, 8, 16  # word indexes (byte offsets 0, 64, 128)
 _DATA = 256
 _MIN_CAPACITY = 1 << 10
@@ -261,43 +260,44 @@ class RingReader:
         self._spilled: dict[int, list[Any]] = {}  # spills that came before their turn
         self.socket_seen = 0  # plain socket messages from the writer since its offer
         self.open = False  # the socket messages before the switch have all come
-        self._stalled_since = 0.0  # when the ring was first seen waiting (_waited_too_long)
-        self._stalled_at: int | None = None  # for what then
+        self._waiting_since = 0.0  # (_note_wait)
+        self._waiting_for: tuple[int, int] = (-1, -1)
+        self._warned = False
 
     def ready(self) -> bool:
-        """Whether the next message in sequence may be delivered now."""
+        """Whether the next message in sequence may be delivered now (no side effects but
+        remembering that the gate opened: any thread may probe)."""
         if self._spilled and self._expected in self._spilled:
             return True
-        if self._words[_HEAD] == self._tail or not (self.open or self._open_gate()):
+        if self._words[_HEAD] == self._tail:
             return False
-        waiting = self._next_sequence()
-        if waiting > self._expected and self._waited_too_long(
-            -1 - self._expected, f"spilled messages {self._expected}..{waiting - 1}"
-        ):
-            self._expected = waiting  # lost with a dropped connection
-        return waiting == self._expected
+        if not self.open:
+            if self.socket_seen < self._words[_BEFORE]:
+                return False
+            self.open = True  # (for good: the count only grows)
+        return self._next_sequence() == self._expected
 
-    def _open_gate(self) -> bool:
-        before = self._words[_BEFORE]
-        self.open = self.socket_seen >= before or self._waited_too_long(
-            self.socket_seen,
-            f"{before - self.socket_seen} of the {before} socket messages sent before it",
-        )
-        return self.open
+    def _note_wait(self) -> None:
+        """(After a read.) Log once when the next message has been missing a long time.
 
-    def _waited_too_long(self, progress: int, what: str) -> bool:
-        """Whether the ring has waited :data:`GATE_SECONDS` for ``what`` with no progress
-        (``progress`` the same value all along); logs it then."""
+        Nothing is skipped: a socket message can only be lost with its connection, when
+        the peer stopped for longer than the heartbeat timeout (it is then declared dead
+        by liveness checks anyway), whereas a skip on a clock would reorder or drop
+        messages that are merely late (a huge spill still crossing TCP)."""
+        waiting = self._spilled or self._words[_HEAD] != self._tail
+        if not waiting:
+            self._waiting_since = 0.0
+            return
         now = _monotonic()
-        if self._stalled_at != progress:  # (re)start: things still come
-            self._stalled_since, self._stalled_at = now, progress
-            return False
-        if now - self._stalled_since < GATE_SECONDS:
-            return False
-        _log.error("ring %s: %s did not arrive within %g s (a dropped connection): "
-                   "reading on", self.name, what, GATE_SECONDS)
-        self._stalled_at = None
-        return True
+        progress = (self._expected, self.socket_seen)
+        if progress != self._waiting_for:
+            self._waiting_since, self._waiting_for, self._warned = now, progress, False
+        elif not self._warned and now - self._waiting_since >= WAIT_WARNING_SECONDS:
+            self._warned = True
+            what = (f"{self._words[_BEFORE] - self.socket_seen} socket messages sent before "
+                    "the switch" if not self.open else f"message {self._expected}")
+            _log.warning("ring %s: %s missing for %g s; the messages after it wait",
+                         self.name, what, WAIT_WARNING_SECONDS)
 
     def take_spill(self, identity: bytes, message: list[Any], into: list[list[Any]]) -> int:
         """A spill ``[identity, SPILL, sequence, frames...]`` came: deliver what is due."""
@@ -328,6 +328,7 @@ class RingReader:
             waiting = self._next_sequence()
             if waiting < self._expected:
                 raise ProtocolError(f"ring {self.name}: record {waiting} came twice")
+        self._note_wait()
         return count
 
     def _next_sequence(self) -> int:

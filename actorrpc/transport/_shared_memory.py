@@ -92,6 +92,8 @@ def create_segment(size: int, populate: bool = True) -> tuple[str, mmap.mmap]:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, size)
+        # reserved now: on a full /dev/shm a write into a hole would kill the process (SIGBUS)
+        os.posix_fallocate(fd, 0, size)
         mapping = mmap.mmap(fd, size, flags=_MAP_FLAGS if populate else mmap.MAP_SHARED)
     except BaseException:
         with contextlib.suppress(OSError):
