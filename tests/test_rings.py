@@ -260,6 +260,19 @@ def _switched(sender: Transport, receiver: Transport):
     return link
 
 
+def test_a_ring_is_private_to_its_user_and_unlinked_once_in_use(pair) -> None:
+    sender, receiver = pair
+    link = sender.link(b"1:receiver", receiver.endpoint)
+    offered = link._offered
+    assert offered is not None
+    path = os.path.join(SHM_DIRECTORY, offered.name)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    _switched(sender, receiver)
+    assert link.ring is offered and not os.path.exists(path)
+    doorbell = receiver._ring_inbox.doorbell
+    assert doorbell is not None and os.stat(doorbell.path).st_mode & 0o777 == 0o600
+
+
 def test_a_blocked_receiver_wakes_for_a_ring_message(
     pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
