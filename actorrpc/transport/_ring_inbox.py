@@ -31,7 +31,7 @@ import threading
 from typing import Any
 
 from ..errors import ProtocolError
-from ._ring import SPILL, Doorbell, RingReader, rings_supported
+from ._ring import SPILL, Doorbell, RingReader
 
 __all__ = ["RING_ACCEPT", "RING_OFFER", "RING_REFUSE", "RingInbox"]
 
@@ -46,7 +46,7 @@ class RingInbox:
     """The peers' rings one transport reads, by sender identity."""
 
     def __init__(self, accept: bool) -> None:
-        self._accept = accept and rings_supported()  # (else every offer is refused)
+        self._accept = accept  # (else every offer is refused; the transport checked support)
         self._readers: dict[bytes, RingReader] = {}
         self.snapshot: tuple[tuple[bytes, RingReader], ...] = ()  # what receivers iterate
         self.gated: dict[bytes, RingReader] = {}  # readers still counting socket messages
