@@ -2,7 +2,7 @@
 
 Built on torch's elastic launcher (``torch.distributed.launcher.api``): the
 agent starts, watches and stops the workers, tees their output with a rank
-prefix and forwards SIGINT/SIGTERM to them.
+prefix (whole lines only, see ``_tail``) and forwards SIGINT/SIGTERM to them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import click
 
 from actorrpc._ports import free_ports
 
+from ._tail import whole_line_tails
 from ._worker import MASTER_PORT_ENV, NAMES_ENV, worker_name
 
 __all__ = ["launch", "run_launch", "exit_code_of"]
@@ -101,7 +102,8 @@ def run_launch(
     if nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: keep N workers from oversubscribing
 
-    with tempfile.TemporaryDirectory(prefix="actorrpc-launch-") as log_dir, _environ(env):
+    log_dir_context = tempfile.TemporaryDirectory(prefix="actorrpc-launch-")
+    with log_dir_context as log_dir, _environ(env), whole_line_tails():
         config = LaunchConfig(
             min_nodes=nnodes,
             max_nodes=nnodes,

@@ -250,3 +250,47 @@ def test_worker_name() -> None:
     assert worker_name("w{rank}-{local_rank}", 5, 1) == "w5-1"
     with pytest.raises(ValueError):
         worker_name("a,,b", 0)
+
+
+def test_line_assembler_passes_on_whole_lines_only() -> None:
+    from actorrpc.cli._tail import LineAssembler
+
+    assembler = LineAssembler()
+    assert assembler.feed("trainer2 s3cret") == []
+    assert assembler.feed("") == []
+    assert assembler.feed(" 11276\nps") == ["trainer2 s3cret 11276\n"]
+    assert assembler.feed("\n\nlast") == ["ps\n", "\n"]
+    assert assembler.finish() == ["last\n"]
+    assert assembler.finish() == []
+
+
+@pytest.mark.timeout(30)
+def test_tail_holds_a_split_line_and_character_until_whole(tmp_path: Path) -> None:
+    import io
+    import threading
+
+    from actorrpc.cli._tail import tail_whole_lines
+
+    from ._waiting import wait_for
+
+    log = tmp_path / "stdout.log"
+    euro = "€".encode()
+    log.write_bytes(b"first\nsec" + euro[:1])  # a worker stopped mid-line and mid-character
+    out = io.StringIO()
+    finished = threading.Event()
+    tail = threading.Thread(
+        target=tail_whole_lines,
+        kwargs=dict(header="[2]: ", file=str(log), dst=out, finished=finished, interval_sec=0.01),
+    )
+    tail.start()
+    try:
+        # The first read takes the whole file, fragment included.
+        wait_for(lambda: out.getvalue() == "[2]: first\n", 10, "the first whole line")
+        with log.open("ab") as fp:
+            fp.write(euro[1:] + b"ond\nno newline at exit")
+        wait_for(lambda: out.getvalue().endswith("ond\n"), 10, "the completed line")
+    finally:
+        finished.set()
+        tail.join(10)
+    assert not tail.is_alive()
+    assert out.getvalue() == "[2]: first\n[2]: sec€ond\n[2]: no newline at exit\n"
