@@ -234,7 +234,7 @@ _ONE_THREAD_SCRIPT = textwrap.dedent(
     def pairs(first, then):
         # until the first reply was queued (its request's successor arrived in time)
         outcomes = []
-        for _ in range(12):
+        for _ in range(40):  # (both must be in one burst: on a loaded host that can take tries)
             before = deferred()
             quick = rpc.rpc_async("worker1", *first)
             slow = rpc.rpc_async("worker1", *then)
@@ -265,3 +265,29 @@ def test_a_queued_reply_never_waits_for_the_next_request(tmp_path: Path) -> None
         outcomes, was_queued = result[case]
         assert all(outcomes), f"{case}: a reply waited for the request after it: {outcomes}"
         assert was_queued, f"{case}: no reply was ever queued ({len(outcomes)} tries)"
+
+
+def _queue_bad_notification_for(rank: int, value: int) -> int:
+    """(On a worker) queue an AUTOGRAD_CLEANUP whose payload its handler cannot unpack."""
+    from actorrpc.agent import current_agent
+
+    current_agent().riders.add(rank, MessageKind.AUTOGRAD_CLEANUP, (1, 2, 3))
+    return value
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_riding_notification_is_reported_and_its_carrier_still_delivered(
+    cluster: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    from actorrpc.agent import current_agent
+
+    agent = current_agent()
+    served = agent.stats.requests_served[1]
+    suppressed = agent._suppressed_warnings
+    with caplog.at_level("WARNING", logger="actorrpc"):
+        # the bad notification rides on the reply (or goes alone just before it)
+        assert rpc.rpc_sync("worker1", _queue_bad_notification_for, args=(0, 7)) == 7
+        wait_for(lambda: agent.stats.requests_served[1] > served, WAIT, "the notification")
+    reported = "a notification from worker 1 failed" in caplog.text
+    assert reported or agent._suppressed_warnings > suppressed, caplog.text
+    assert rpc.rpc_sync("worker1", _queue_bad_notification_for, args=(0, 8)) == 8

@@ -352,7 +352,7 @@ class MessageDispatcher:
                     if rider_id:  # a reply (see _riders)
                         self._on_response(kind, header.sender, rider_id, [body])
                     else:
-                        self._on_request(kind, header.sender, 0, [body])
+                        self._on_riding_notification(kind, header.sender, body)
             parts = self.shared.incoming(header, frames)
         except ProtocolError as error:
             pending = self._pending.get(header.message_id)
@@ -398,6 +398,26 @@ class MessageDispatcher:
         if self._pool.has_queued() or not self.inbox.claim(request):
             self._pool.submit(self._serve_on_pool, [request])
             self.inbox.hand_off()  # the I/O thread lets that thread take the next turn
+
+    def _on_riding_notification(self, kind: MessageKind, sender_rank: int, body: Any) -> None:
+        """A notification that rode on another message, served here and now.
+
+        Every kind that may ride has an inline handler, and its payload was pickled
+        with plain :func:`pickle.dumps` (``Riders.encode``): so it skips the request
+        path's bookkeeping (unpickling context, counts of requests in flight, the
+        reply-riding policy), which cost more than the handler itself. Traced
+        workers take the request path, which records the notification.
+        """
+        entry = self._handlers.get(kind)
+        sender = self._infos.get(sender_rank)
+        if entry is None or not entry.inline or sender is None or self.tracer.enabled:
+            self._on_request(kind, sender_rank, 0, [body])
+            return
+        self.stats.requests_served[sender_rank] += 1
+        try:
+            entry.handler(IncomingRequest(kind, sender, 0, loads(body)))
+        except Exception as exc:  # noqa: BLE001 - as any failed notification
+            self.warn(f"a notification from worker {sender_rank} failed: {exc!r}")
 
     def _serve_on_pool(self, box: list[tuple[Any, ...]]) -> None:
         """A pool task: serve the request in ``box``, then receive the next ones here.
