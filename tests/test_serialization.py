@@ -9,6 +9,7 @@ from __future__ import annotations
 import pickle
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 import torch
@@ -113,7 +114,11 @@ def _form(t: torch.Tensor) -> str:
     from actorrpc.serialization import _tensors
 
     function, _ = _tensors.reduce_tensor(t)
-    return {_tensors._rebuild_from_array: "array", _tensors._rebuild_tensor: "general"}[function]
+    return {
+        _tensors._rebuild_from_array: "array",
+        _tensors._rebuild_from_strided_array: "strided array",
+        _tensors._rebuild_tensor: "general",
+    }[function]
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.uint16, torch.uint32, torch.uint64], ids=str)
@@ -124,7 +129,8 @@ def test_contiguous_tensors_of_numpy_dtypes_take_the_array_form(dtype):
     expected = "general" if dtype == torch.bfloat16 else "array"
     assert _form(t) == expected
     assert _form(t[1:]) == expected  # contiguous, at an offset into its storage
-    assert _form(t.t()) == "general"  # strided
+    assert _form(t.t()) == ("general" if dtype == torch.bfloat16 else "strided array")
+    assert_same(t.t(), roundtrip(t.t()))
     assert_same(t[1:], roundtrip(t[1:]))
     if dtype.is_floating_point or dtype.is_complex:
         leaf = t.clone().requires_grad_(True)
@@ -159,6 +165,40 @@ def test_permuted_and_expanded_tensors(out_of_band):
     payload, buffers = dumps(e)
     assert sum(b.nbytes for b in buffers) == 3 * 4
     assert_same(e, roundtrip(e))
+
+
+def test_views_that_permute_or_broadcast_send_each_element_once_and_keep_strides(out_of_band):
+    """The strided array form: the gradient of a sum (a scalar expanded), transposes,
+    permutations with broadcast axes; a view with gaps goes contiguous instead."""
+    cases = [
+        torch.ones(()).expand(64, 64),
+        torch.randn(5, 1, 3).expand(5, 4, 3).transpose(0, 2),
+        torch.arange(10.0)[:, None].expand(10, 300).t(),
+        torch.randn(30, 40, requires_grad=True).t(),
+    ]
+    for view, elements in zip(cases, (1, 15, 10, 1200)):
+        assert _form(view) == "strided array"
+        payload, buffers = dumps(view)
+        assert len(payload) + sum(b.nbytes for b in buffers) < elements * 4 + 200
+        back = loads(payload, buffers)
+        assert_same(view, back)
+        assert back.stride() == view.stride()
+        assert back.requires_grad == view.requires_grad
+    column = torch.arange(100.0).reshape(10, 10)[:, 3]
+    assert _form(column) == "array" and roundtrip(column).is_contiguous()
+    assert torch.equal(roundtrip(column), column)
+
+
+def test_strides_reaching_beyond_the_data_are_refused():
+    from actorrpc.errors import DeserializationError
+    from actorrpc.serialization import _tensors
+
+    class Forged:  # a 4x4 float32 view over the 4 bytes of one element
+        def __reduce__(self) -> tuple[Any, ...]:
+            return _tensors._rebuild_from_strided_array, (0, (4, 4), (4, 1), 0, bytearray(4))
+
+    with pytest.raises(DeserializationError, match="strides"):
+        loads(pickle.dumps(Forged(), protocol=5))
 
 
 def test_sliced_views_roundtrip():

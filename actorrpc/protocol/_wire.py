@@ -31,7 +31,9 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
 
     offset size field
     0      2    magic       b"AR"
-    2      1    version     PROTOCOL_VERSION (7; 6 had no message id in a
+    2      1    version     PROTOCOL_VERSION (8; 7 pickled a strided view of a
+                            numpy dtype in the general form of
+                            serialization._tensors, 6 had no message id in a
                             rider and no RESPONSE riders, 5 pickled every tensor in the
                             general form of serialization._tensors, 4 had no
                             REMOTE_CALL_FETCH, 3 had
@@ -187,7 +189,7 @@ __all__ = [
 ]
 
 MAGIC = b"AR"
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535

@@ -10,10 +10,17 @@ Two wire forms, both rebuilt without copying the data again:
   costs 5-20 µs when the caches are cold, as they are between messages (a cold
   ``tensor.dtype`` alone ~5 µs on the AMD host); this form makes about a third as
   many as the general one.
-* The *general* form, for any other dense strided CPU tensor (a strided view, a
-  dtype numpy lacks such as bfloat16): ``_rebuild_tensor(dtype, size, stride,
-  requires_grad, is_parameter, data)``, where ``data`` holds exactly the bytes the
-  view spans (a view of a large storage sends only its own elements).
+* The *strided array* form, for a view of a numpy dtype whose elements fill the
+  memory it spans, in some order, some of them repeated (a transpose or
+  permutation, a broadcast by ``expand`` as the gradient of a ``sum``):
+  ``_rebuild_from_strided_array(code, shape, strides, flags, data)``, where
+  ``strides`` are in elements and ``data`` holds the elements once, from the first
+  one on. Made and rebuilt with numpy alone. A view with gaps (a slice with steps,
+  a column) travels as its elements in the array form, contiguous.
+* The *general* form, for any other dense strided CPU tensor (a dtype numpy lacks
+  such as bfloat16): ``_rebuild_tensor(dtype, size, stride, requires_grad,
+  is_parameter, data)``, where ``data`` holds exactly the bytes the view spans (a
+  view of a large storage sends only its own elements).
 
 Anything else (CUDA, sparse, quantized, conjugate or negative bits) is left to
 torch's own reduction (:func:`reduce_tensor` returns ``NotImplemented``).
@@ -68,22 +75,57 @@ def reduce_tensor(tensor: torch.Tensor) -> Any:
     except (RuntimeError, TypeError):
         return _reduce_general(tensor)
     code = _ARRAY_CODES.get(array.dtype)
-    if code is None or not array.flags.c_contiguous:
+    if code is None:
         return _reduce_general(tensor)
     flags = _REQUIRES_GRAD if requires_grad else 0
     if type(tensor) is not torch.Tensor:
         flags |= _PARAMETER
+    if not array.flags.c_contiguous:
+        elements = _elements_in_memory_order(array)
+        if elements is not None:
+            itemsize = array.itemsize
+            strides = tuple(stride // itemsize for stride in array.strides)
+            data = _data(elements, elements.nbytes)
+            return _rebuild_from_strided_array, (code, array.shape, strides, flags, data)
+        array = np.ascontiguousarray(array)  # gaps between its elements: only they travel
     return _rebuild_from_array, (code, array.shape, flags, _data(array, array.nbytes))
 
 
-def _rebuild_from_array(code: int, shape: tuple[int, ...], flags: int, data: Any) -> torch.Tensor:
-    """The tensor of the array form (see the module docstring)."""
-    tensor = torch.from_numpy(np.frombuffer(data, _ARRAY_DTYPES[code]).reshape(shape))
+def _elements_in_memory_order(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any] | None:
+    """A C-contiguous view of ``array``'s elements, each once, from its first element:
+    its broadcast axes cut to one element, the others ordered by stride. None when
+    the elements leave gaps in the memory they span."""
+    strides = array.strides
+    if any(stride < 0 for stride in strides):
+        return None
+    once = array[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in strides)]
+    order = sorted(range(once.ndim), key=lambda axis: -once.strides[axis])
+    elements = once.transpose(order)
+    return elements if elements.flags.c_contiguous else None
+
+
+def _finish(tensor: torch.Tensor, flags: int) -> torch.Tensor:
     if flags & _PARAMETER:
         return torch.nn.Parameter(tensor, requires_grad=bool(flags & _REQUIRES_GRAD))
     if flags & _REQUIRES_GRAD:
         tensor.requires_grad_(True)
     return tensor
+
+
+def _rebuild_from_array(code: int, shape: tuple[int, ...], flags: int, data: Any) -> torch.Tensor:
+    """The tensor of the array form (see the module docstring)."""
+    return _finish(torch.from_numpy(np.frombuffer(data, _ARRAY_DTYPES[code]).reshape(shape)), flags)
+
+
+def _rebuild_from_strided_array(
+    code: int, shape: tuple[int, ...], strides: tuple[int, ...], flags: int, data: Any
+) -> torch.Tensor:
+    """The tensor of the strided array form (see the module docstring). numpy refuses
+    strides that reach beyond ``data``."""
+    dtype = _ARRAY_DTYPES[code]
+    byte_strides = tuple(stride * dtype.itemsize for stride in strides)
+    array: np.ndarray[Any, Any] = np.ndarray(shape, dtype, buffer=data, strides=byte_strides)
+    return _finish(torch.from_numpy(array), flags)
 
 
 def _rebuild_tensor(
@@ -106,11 +148,8 @@ def _rebuild_tensor(
     else:
         flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
         tensor = torch.as_strided(flat, size, stride, 0)
-    if is_parameter:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    if requires_grad:
-        tensor.requires_grad_(True)
-    return tensor
+    flags = (_REQUIRES_GRAD if requires_grad else 0) | (_PARAMETER if is_parameter else 0)
+    return _finish(tensor, flags)
 
 
 def _contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
