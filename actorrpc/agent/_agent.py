@@ -325,13 +325,15 @@ class Agent(MessageDispatcher):
         description: str = "",
         on_result: Callable[[Any], Any] | None = None,
         hold: bool = False,
-    ) -> Future[Any]:
-        """Send a request and return the future of its reply.
+        make: Callable[[Any, Agent], Any] = Future,
+    ) -> Any:
+        """Send a request and return the future of its reply: a :class:`Future`, or what
+        ``make`` makes (a :class:`CallResult` where no torch future is needed).
 
         Pickling errors are raised here, before anything is sent. ``hold``: keep
         it back for a moment (see :mod:`._held`), when no call hook is involved.
         """
-        return self._send_request(Future, dest, kind, payload, timeout, description, on_result,
+        return self._send_request(make, dest, kind, payload, timeout, description, on_result,
                                   hold)
 
     def _send_request(

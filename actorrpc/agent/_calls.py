@@ -272,7 +272,7 @@ class Failure:
         self.undecoded = undecoded
 
 
-def outcome_of(future: torch.futures.Future) -> Any:
+def outcome_of(future: Any) -> Any:
     """The value of a completed future, or a :class:`Failure` holding a copy of its error.
 
     Re-raising the stored error attaches this frame, and through ``f_back`` its

@@ -58,7 +58,7 @@ from ._calls import (
     outcome_of,
     run_user_function,
 )
-from ._futures import complete
+from ._futures import CallResult, complete
 from ._remote_exception import pack_exception, rebuild_exception
 from ._riders import MAX_RIDING_REPLY
 from ._worker_info import WorkerInfo
@@ -207,7 +207,7 @@ class MessageDispatcher:
                 self._inflight -= 1
             return
         try:
-            if isinstance(outcome, torch._C.Future):  # still being served until it completes
+            if isinstance(outcome, (torch._C.Future, CallResult)):  # served until it completes
                 outcome.add_done_callback(
                     lambda fut: self._finish_request(sender, message_id, outcome_of(fut))
                 )

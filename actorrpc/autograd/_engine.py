@@ -24,7 +24,7 @@ Backward is a message-driven graph traversal keyed by context id:
    send function.
 3. That worker runs the same local pass from the send function's aliases with the
    received gradients, sends further messages for the recv nodes it reaches, and
-   replies when all of them have replied (its handler returns a Future, so no
+   replies when all of them have replied (its handler returns a future, so no
    pool thread waits: cycles such as worker0 -> worker1 -> worker0 cannot
    deadlock). Gradients for send functions of the worker that sent the request
    are not sent as requests of their own: they travel back in the reply, and
@@ -71,7 +71,7 @@ from torch.autograd.graph import GradientEdge
 from ..agent import (
     Agent,
     CallRecord,
-    Future,
+    CallResult,
     IncomingRequest,
     complete,
     current_agent,
@@ -110,9 +110,9 @@ KEY_RESPONSE = "autograd_response_id"
 _EXTENSION = "autograd"
 
 
-def _failed(exc: BaseException) -> torch.futures.Future:
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_exception(exc)
+def _failed(exc: BaseException) -> CallResult[Any]:
+    future: CallResult[Any] = CallResult("distributed backward")
+    complete(future, error=exc)
     return future
 
 
@@ -258,7 +258,7 @@ class AutogradEngine:
             with self._passes_lock:
                 self._passes -= 1
 
-    def _drive_from_here(self, ctx: DistAutogradContext, futures: list[torch.futures.Future],
+    def _drive_from_here(self, ctx: DistAutogradContext, futures: list[CallResult[Any]],
                          retain_graph: bool, pass_id: int) -> None:
         """The initiator's wait: passes handed back to it run in its own thread.
 
@@ -269,7 +269,7 @@ class AutogradEngine:
         """
         initiator = threading.get_ident()
         queued: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
-        wake: list[Future[Any]] = [Future("distributed backward", self.agent)]
+        wake: list[CallResult[Any]] = [CallResult("distributed backward", self.agent)]
 
         def submit(fn: Callable[..., None], *args: Any) -> None:
             if threading.get_ident() == initiator:
@@ -288,7 +288,7 @@ class AutogradEngine:
             if driver.result.done():
                 break
             wake[0].wait()
-            wake[0] = Future("distributed backward", self.agent)
+            wake[0] = CallResult("distributed backward", self.agent)
             if driver.result.done():  # completed between the wait and the new wake future
                 complete(wake[0])
         driver.result.wait()  # raises the first error, once every part finished
@@ -313,7 +313,7 @@ class AutogradEngine:
         retain_graph: bool,
         pass_id: int,
         reply_to: int | None,
-    ) -> tuple[list[torch.futures.Future], Owed]:
+    ) -> tuple[list[CallResult[Any]], Owed]:
         """Backpropagate over this worker's graph.
 
         Returns the futures of the messages sent, and the gradients owed to
@@ -332,7 +332,7 @@ class AutogradEngine:
         for leaf, grad in zip(reach.leaves, grads):
             if grad is not None:
                 ctx.accumulate(leaf, grad)
-        futures: list[torch.futures.Future] = []
+        futures: list[CallResult[Any]] = []
         owed: Owed = []
         offset = len(reach.leaves)
         for tag in tags:
@@ -348,7 +348,7 @@ class AutogradEngine:
             try:
                 futures.append(self.agent.send_request(
                     self.agent.resolve(sender), MessageKind.AUTOGRAD_BACKWARD, payload,
-                    description=f"distributed backward (context {context_id})",
+                    description=f"distributed backward (context {context_id})", make=CallResult,
                 ))
             except BaseException as exc:  # noqa: BLE001 - reported with the others
                 futures.append(_failed(exc))
@@ -363,7 +363,7 @@ class AutogradEngine:
         pass_id: int,
         reply_to: int | None,
         single: frozenset[int] = frozenset(),
-    ) -> tuple[list[torch.futures.Future], Owed]:
+    ) -> tuple[list[CallResult[Any]], Owed]:
         """Continue a pass from this worker's send function ``message_id`` with ``grads``.
 
         ``single``: ids of gradients that appear once in the message they were

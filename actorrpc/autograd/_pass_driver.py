@@ -24,16 +24,14 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import torch
-
-from ..agent import Agent, Future, complete
+from ..agent import Agent, CallResult, complete
 from ..errors import DistAutogradError
 
 __all__ = ["Owed", "PassDriver", "appearing_once"]
 
 Owed = list[tuple[int, list[Any]]]  # (message id of one of the requester's send functions, grads)
 # (message id, grads, ids of the tensors among them that appear once in their message)
-ContinueAt = Callable[[int, list[Any], frozenset[int]], tuple[list[torch.futures.Future], Owed]]
+ContinueAt = Callable[[int, list[Any], frozenset[int]], tuple[list[CallResult[Any]], Owed]]
 
 
 class PassDriver:
@@ -42,8 +40,9 @@ class PassDriver:
     def __init__(
         self, continue_at: ContinueAt, submit: Callable[..., None], agent: Agent | None = None
     ) -> None:
-        # an agent Future: a thread waiting on it takes its turn on the inbox
-        self.result: Future[Owed] = Future("distributed backward", agent)
+        # a thread waiting on it takes its turn on the inbox; no torch future (each is
+        # several torch calls, costly between messages), as for the replies it waits on
+        self.result: CallResult[Owed] = CallResult("distributed backward", agent)
         self._continue_at = continue_at
         self._submit = submit
         self._owed: Owed = []
@@ -51,7 +50,7 @@ class PassDriver:
         self._outstanding = 1  # the pass that created this driver, finished by its add()
         self._lock = threading.Lock()
 
-    def add(self, futures: Sequence[torch.futures.Future], owed: Owed) -> None:
+    def add(self, futures: Sequence[CallResult[Any]], owed: Owed) -> None:
         """A local pass finished: wait for the messages it sent; keep what it owes."""
         with self._lock:
             self._owed.extend(owed)
@@ -65,7 +64,7 @@ class PassDriver:
         self._record(error)
         self._finish_one()
 
-    def _on_reply(self, future: torch.futures.Future) -> None:
+    def _on_reply(self, future: CallResult[Any]) -> None:
         handed_back: Owed = []
         try:
             handed_back = _checked(future.wait())
