@@ -294,3 +294,60 @@ def test_tail_holds_a_split_line_and_character_until_whole(tmp_path: Path) -> No
         tail.join(10)
     assert not tail.is_alive()
     assert out.getvalue() == "[2]: first\n[2]: sec€ond\n[2]: no newline at exit\n"
+
+
+def test_line_assembler_passes_an_endless_line_on_in_pieces() -> None:
+    from actorrpc.cli._tail import LONGEST_LINE, LineAssembler
+
+    assembler = LineAssembler()
+    assert assembler.feed("x" * LONGEST_LINE) == []
+    assert assembler.feed("yz") == ["x" * LONGEST_LINE + "\n"]
+    assert assembler.finish() == ["yz\n"]
+
+
+@pytest.mark.timeout(30)
+def test_tail_ends_lines_at_carriage_returns_as_they_come(tmp_path: Path) -> None:
+    import io
+    import threading
+
+    from actorrpc.cli._tail import tail_whole_lines
+
+    from ._waiting import wait_for
+
+    log = tmp_path / "stderr.log"
+    log.write_bytes(b"progress 10%\r")  # a progress bar's refresh (tqdm writes "\r")
+    out = io.StringIO()
+    finished = threading.Event()
+    tail = threading.Thread(
+        target=tail_whole_lines,
+        kwargs=dict(header="[0]: ", file=str(log), dst=out, finished=finished, interval_sec=0.01),
+    )
+    tail.start()
+    try:
+        with log.open("ab") as fp:  # (a "\r" last in a read waits for what follows it)
+            fp.write(b"progress 50%\r")
+        wait_for(lambda: "10%" in out.getvalue(), 10, "the first refresh")
+        assert out.getvalue() == "[0]: progress 10%\n"
+        with log.open("ab") as fp:
+            fp.write(b"done\r")
+            fp.flush()
+            fp.write(b"\n")  # "\r\n" split between writes: one line end
+    finally:
+        finished.set()
+        tail.join(10)
+    assert out.getvalue() == "[0]: progress 10%\n[0]: progress 50%\n[0]: done\n"
+
+
+def test_whole_line_tails_overlapping_in_threads_restore_torchs_tail() -> None:
+    from torch.distributed.elastic.multiprocessing import tail_log
+
+    from actorrpc.cli._tail import tail_whole_lines, whole_line_tails
+
+    original = tail_log.tail_logfile
+    first, second = whole_line_tails(), whole_line_tails()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # the first to enter ends first
+    assert tail_log.tail_logfile is tail_whole_lines
+    second.__exit__(None, None, None)
+    assert tail_log.tail_logfile is original

@@ -184,9 +184,23 @@ def test_views_that_permute_or_broadcast_send_each_element_once_and_keep_strides
         assert_same(view, back)
         assert back.stride() == view.stride()
         assert back.requires_grad == view.requires_grad
-    column = torch.arange(100.0).reshape(10, 10)[:, 3]
-    assert _form(column) == "array" and roundtrip(column).is_contiguous()
+    column = torch.arange(100.0).reshape(10, 10)[:, 3]  # gaps: its elements, copied
+    assert _form(column) == "strided array" and roundtrip(column).is_contiguous()
     assert torch.equal(roundtrip(column), column)
+
+
+def test_views_with_gaps_or_overlaps_send_no_more_than_their_span(out_of_band):
+    """A broadcast of a view with gaps sends the view's elements once; sliding windows
+    (elements that overlap) send the memory they span, not every window."""
+    for view, most in (
+        (torch.randn(1000, 100)[:, :1].expand(1000, 10_000), 1000),  # 10**7 elements
+        (torch.randn(100)[::2].expand(7, 50), 50),
+        (torch.randn(100_000).unfold(0, 256, 1), 100_000),  # 2.6 * 10**7 elements
+        (torch.as_strided(torch.arange(20.0), (2, 2, 2), (5, 1, 1)), 8),
+    ):
+        payload, buffers = dumps(view)
+        assert len(payload) + sum(b.nbytes for b in buffers) < most * 4 + 300
+        assert torch.equal(loads(payload, buffers), view)
 
 
 def test_strides_reaching_beyond_the_data_are_refused():

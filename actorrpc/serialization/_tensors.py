@@ -16,7 +16,8 @@ Two wire forms, both rebuilt without copying the data again:
   ``_rebuild_from_strided_array(code, shape, strides, flags, data)``, where
   ``strides`` are in elements and ``data`` holds the elements once, from the first
   one on. Made and rebuilt with numpy alone. A view with gaps (a slice with steps,
-  a column) travels as its elements in the array form, contiguous.
+  a column) sends only its own elements, copied together (strides of the copy);
+  a view whose elements overlap (sliding windows) takes the general form.
 * The *general* form, for any other dense strided CPU tensor (a dtype numpy lacks
   such as bfloat16): ``_rebuild_tensor(dtype, size, stride, requires_grad,
   is_parameter, data)``, where ``data`` holds exactly the bytes the view spans (a
@@ -55,6 +56,7 @@ _ARRAY_DTYPES: tuple[np.dtype[Any], ...] = tuple(
     )
 )
 _ARRAY_CODES = {dtype: code for code, dtype in enumerate(_ARRAY_DTYPES)}
+_Array = np.ndarray[Any, Any]
 _REQUIRES_GRAD = 1
 _PARAMETER = 2
 
@@ -81,27 +83,42 @@ def reduce_tensor(tensor: torch.Tensor) -> Any:
     if type(tensor) is not torch.Tensor:
         flags |= _PARAMETER
     if not array.flags.c_contiguous:
-        elements = _elements_in_memory_order(array)
-        if elements is not None:
-            itemsize = array.itemsize
-            strides = tuple(stride // itemsize for stride in array.strides)
-            data = _data(elements, elements.nbytes)
-            return _rebuild_from_strided_array, (code, array.shape, strides, flags, data)
-        array = np.ascontiguousarray(array)  # gaps between its elements: only they travel
+        parts = _strided_parts(array)
+        if parts is None:  # elements that overlap (sliding windows): the span travels
+            return _reduce_general(tensor)
+        elements, strides = parts
+        data = _data(elements, elements.nbytes)
+        return _rebuild_from_strided_array, (code, array.shape, strides, flags, data)
     return _rebuild_from_array, (code, array.shape, flags, _data(array, array.nbytes))
 
 
-def _elements_in_memory_order(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any] | None:
-    """A C-contiguous view of ``array``'s elements, each once, from its first element:
-    its broadcast axes cut to one element, the others ordered by stride. None when
-    the elements leave gaps in the memory they span."""
+def _strided_parts(array: _Array) -> tuple[_Array, tuple[int, ...]] | None:
+    """What the strided array form sends of a non-contiguous ``array``: a C-contiguous
+    array holding its elements, each once, and ``array``'s strides (in elements) over it.
+
+    Its broadcast axes (stride 0) are cut to one element. If the other elements fill
+    the memory they span, they travel as they lie (ordered by stride) and the strides
+    are ``array``'s own; if they leave gaps, they are copied together (the strides then
+    are those of the copy, 0 on broadcast axes). None when the elements overlap so much
+    that the memory they span is smaller than their number: the span travels then.
+    """
     strides = array.strides
     if any(stride < 0 for stride in strides):
         return None
-    once = array[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in strides)]
+    broadcast = [stride == 0 for stride in strides]
+    once = array[tuple(slice(0, 1) if cut else slice(None) for cut in broadcast)]
+    itemsize = array.itemsize
     order = sorted(range(once.ndim), key=lambda axis: -once.strides[axis])
     elements = once.transpose(order)
-    return elements if elements.flags.c_contiguous else None
+    if elements.flags.c_contiguous:
+        return elements, tuple(stride // itemsize for stride in strides)
+    span = 1 + sum((n - 1) * stride for n, stride in zip(once.shape, once.strides)) // itemsize
+    if span < once.size:
+        return None
+    compact = np.ascontiguousarray(once)
+    return compact, tuple(
+        0 if cut else stride // itemsize for cut, stride in zip(broadcast, compact.strides)
+    )
 
 
 def _finish(tensor: torch.Tensor, flags: int) -> torch.Tensor:
