@@ -264,36 +264,47 @@ def test_line_assembler_passes_on_whole_lines_only() -> None:
     assert assembler.finish() == []
 
 
+class _Tail:
+    """``tail_whole_lines`` of ``log`` in a thread, into a string; stopped on exit."""
+
+    def __init__(self, log: Path, header: str) -> None:
+        import io
+        import threading
+
+        from actorrpc.cli._tail import tail_whole_lines
+
+        self.out = io.StringIO()
+        self.finished = threading.Event()
+        self.thread = threading.Thread(
+            target=tail_whole_lines,
+            kwargs=dict(header=header, file=str(log), dst=self.out, finished=self.finished,
+                        interval_sec=0.01),
+        )
+
+    def __enter__(self) -> _Tail:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.finished.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
 @pytest.mark.timeout(30)
 def test_tail_holds_a_split_line_and_character_until_whole(tmp_path: Path) -> None:
-    import io
-    import threading
-
-    from actorrpc.cli._tail import tail_whole_lines
-
     from ._waiting import wait_for
 
     log = tmp_path / "stdout.log"
     euro = "€".encode()
     log.write_bytes(b"first\nsec" + euro[:1])  # a worker stopped mid-line and mid-character
-    out = io.StringIO()
-    finished = threading.Event()
-    tail = threading.Thread(
-        target=tail_whole_lines,
-        kwargs=dict(header="[2]: ", file=str(log), dst=out, finished=finished, interval_sec=0.01),
-    )
-    tail.start()
-    try:
+    with _Tail(log, "[2]: ") as tail:
         # The first read takes the whole file, fragment included.
-        wait_for(lambda: out.getvalue() == "[2]: first\n", 10, "the first whole line")
+        wait_for(lambda: tail.out.getvalue() == "[2]: first\n", 10, "the first whole line")
         with log.open("ab") as fp:
             fp.write(euro[1:] + b"ond\nno newline at exit")
-        wait_for(lambda: out.getvalue().endswith("ond\n"), 10, "the completed line")
-    finally:
-        finished.set()
-        tail.join(10)
-    assert not tail.is_alive()
-    assert out.getvalue() == "[2]: first\n[2]: sec€ond\n[2]: no newline at exit\n"
+        wait_for(lambda: tail.out.getvalue().endswith("ond\n"), 10, "the completed line")
+    assert tail.out.getvalue() == "[2]: first\n[2]: sec€ond\n[2]: no newline at exit\n"
 
 
 def test_line_assembler_passes_an_endless_line_on_in_pieces() -> None:
@@ -307,35 +318,20 @@ def test_line_assembler_passes_an_endless_line_on_in_pieces() -> None:
 
 @pytest.mark.timeout(30)
 def test_tail_ends_lines_at_carriage_returns_as_they_come(tmp_path: Path) -> None:
-    import io
-    import threading
-
-    from actorrpc.cli._tail import tail_whole_lines
-
     from ._waiting import wait_for
 
     log = tmp_path / "stderr.log"
     log.write_bytes(b"progress 10%\r")  # a progress bar's refresh (tqdm writes "\r")
-    out = io.StringIO()
-    finished = threading.Event()
-    tail = threading.Thread(
-        target=tail_whole_lines,
-        kwargs=dict(header="[0]: ", file=str(log), dst=out, finished=finished, interval_sec=0.01),
-    )
-    tail.start()
-    try:
+    with _Tail(log, "[0]: ") as tail:
         with log.open("ab") as fp:  # (a "\r" last in a read waits for what follows it)
             fp.write(b"progress 50%\r")
-        wait_for(lambda: "10%" in out.getvalue(), 10, "the first refresh")
-        assert out.getvalue() == "[0]: progress 10%\n"
+        wait_for(lambda: "10%" in tail.out.getvalue(), 10, "the first refresh")
+        assert tail.out.getvalue() == "[0]: progress 10%\n"
         with log.open("ab") as fp:
             fp.write(b"done\r")
             fp.flush()
             fp.write(b"\n")  # "\r\n" split between writes: one line end
-    finally:
-        finished.set()
-        tail.join(10)
-    assert out.getvalue() == "[0]: progress 10%\n[0]: progress 50%\n[0]: done\n"
+    assert tail.out.getvalue() == "[0]: progress 10%\n[0]: progress 50%\n[0]: done\n"
 
 
 def test_whole_line_tails_overlapping_in_threads_restore_torchs_tail() -> None:
