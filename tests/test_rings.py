@@ -187,13 +187,22 @@ def test_a_ring_waits_for_the_socket_messages_before_it_however_long(
         assert [_payloads(m) for m in _read_all(reader, 1)] == [[b"by ring"]]
 
 
-def test_each_message_rings_the_doorbell(ring) -> None:
-    writer, _, doorbell = ring
+def test_a_message_rings_the_doorbell_only_while_the_reader_is_asleep(ring) -> None:
+    writer, reader, doorbell = ring
     doorbell.drain()
+    _write(writer, [b"awake"])  # a reader that polls or is busy will look anyway
     with pytest.raises(BlockingIOError):
         os.read(doorbell.fd, 1)
-    _write(writer, [b"x"])
-    assert os.read(doorbell.fd, 10) == b"\0"
+    reader.set_asleep(True)
+    _write(writer, [b"asleep"])
+    assert os.read(doorbell.fd, 10) == b"\0" and writer.bells == 1
+    reader.set_asleep(False)
+    _write(writer, [b"awake again"])
+    with pytest.raises(BlockingIOError):
+        os.read(doorbell.fd, 1)
+    assert [_payloads(m) for m in _read_all(reader, 3)] == [
+        [b"awake"], [b"asleep"], [b"awake again"]
+    ]
 
 
 def test_a_corrupt_record_is_a_protocol_error(ring) -> None:
@@ -293,10 +302,27 @@ def test_a_blocked_receiver_wakes_for_a_ring_message(
     thread.start()
     assert blocking.wait(10)  # it blocks; without the doorbell it would wait 30 s
     started = time.monotonic()
+    assert link.ring is not None
+    bells = link.ring.bells
     link.send([b"AR-header", b"wake up"])
     thread.join(10)
     assert not thread.is_alive() and time.monotonic() - started < 5
+    assert link.ring.bells == bells + 1  # (it was asleep)
     assert [bytes(m[2].buffer) for m in result[0]] == [b"wake up"]  # type: ignore[attr-defined]
+
+
+def test_a_receiver_that_does_not_block_costs_its_writers_no_doorbell(pair) -> None:
+    sender, receiver = pair
+    link = _switched(sender, receiver)
+    assert link.ring is not None
+    bells = link.ring.bells
+    for n in range(50):
+        link.send([b"AR-header", b"%d" % n])
+    received: list[list[object]] = []
+    while len(received) < 50:  # (polls: never blocks)
+        received += receiver.receive(0.0)
+    assert [bytes(m[2].buffer) for m in received] == [b"%d" % n for n in range(50)]  # type: ignore[attr-defined]
+    assert link.ring.bells == bells
 
 
 def test_a_busy_poll_finds_a_ring_message(pair) -> None:

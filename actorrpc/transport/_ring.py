@@ -13,6 +13,8 @@ Segment layout (native byte order, 8-byte words; x86-64 only, see below)::
     offset  64   tail    bytes read so far (the reader's; its own cache line)
     offset 128   before  messages the writer sent by socket after its offer and before
                          it switched (written once, before head first moves)
+    offset 192   asleep  1 while the reader blocks (or is about to block) on its
+                         doorbell, else 0 (the reader's)
     offset 256   data    ``capacity`` bytes (a power of two), a stream that wraps around
 
 Record (split at the end of the data area where it wraps)::
@@ -35,10 +37,15 @@ Invariants:
   ``[SPILL, <Q sequence number, frames...]``, behind the libzmq queues as any
   socket message. The reader delivers the ring's records and the spills of one
   writer in sequence order (:meth:`RingReader.take_spill`).
-* Every record is followed by one byte written to the reader's doorbell (a
-  FIFO) unless its buffer is full; a reader about to block drains the doorbell,
-  looks at its rings once more and only then blocks on it, so no wake-up is
-  lost.
+* The doorbell (a FIFO): a reader about to block sets ``asleep``, drains the
+  doorbell, looks at its rings once more and only then blocks on it, clearing
+  ``asleep`` when it wakes; a writer, after publishing a record, writes one byte
+  to the doorbell if ``asleep`` is set (and its buffer is not full). Each side
+  puts a full memory fence (:func:`full_fence`) between its store and its load,
+  so at least one sees the other's: the reader finds the record, or the writer
+  rings. A reader that polls or is busy costs its writers no system call (a
+  wake-up write to a FIFO whose reader sleeps on another core costs ~15 µs in
+  a VM).
 * The switch: after its offer the writer keeps sending by socket until the
   reader's acceptance arrives, counting those messages into ``before``; the
   reader delivers the ring's records only after that many plain socket
@@ -56,6 +63,7 @@ import platform
 import stat
 import struct
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -79,6 +87,7 @@ __all__ = [
     "Doorbell",
     "RingReader",
     "RingWriter",
+    "full_fence",
     "rings_supported",
 ]
 
@@ -92,7 +101,7 @@ SPILL = b"!spill"
 WAIT_WARNING_SECONDS = 30.0
 """A ring whose next message (a spill, or the socket messages before the switch) has been
 missing this long, with no progress, is reported once in the log."""
-_HEAD, _TAIL, _BEFORE = 0, 8, 16  # word indexes (byte offsets 0, 64, 128)
+_HEAD, _TAIL, _BEFORE, _ASLEEP = 0, 8, 16, 24  # word indexes (byte offsets 0, 64, 128, 192)
 _DATA = 256
 _MIN_CAPACITY = 1 << 10
 _SEQUENCE = struct.Struct("<Q")
@@ -100,6 +109,17 @@ _ONE_FRAME = struct.Struct("<QII")  # a record's prefix: sequence, 1 frame, its 
 _JOIN_LIMIT = 4096  # records up to this size are joined and copied in once
 _monotonic = time.monotonic
 _log = logging.getLogger("actorrpc.transport")
+
+
+_fence_lock = threading.Lock()
+
+
+def full_fence() -> None:
+    """A full memory fence: no later load of this thread is done before its earlier
+    stores are visible to other cores. On x86-64 every atomic read-modify-write is
+    one (``lock``-prefixed), and taking and releasing a lock makes two."""
+    with _fence_lock:
+        pass
 
 
 def rings_supported() -> bool:
@@ -141,6 +161,7 @@ class RingWriter:
         self._sequence = 0
         self._bell = -1
         self.spills = 0
+        self.bells = 0  # doorbell writes (the reader was asleep)
 
     def start(self, bell_path: str, sent_before: int) -> None:
         """The reader accepted: open its doorbell, record the socket messages before."""
@@ -192,7 +213,9 @@ class RingWriter:
         self._head = head
         self._sequence += 1
         self._words[_HEAD] = head  # publishes the record (after its bytes)
-        self._ring()
+        full_fence()  # (the store above is seen before the load below: module docstring)
+        if self._words[_ASLEEP]:
+            self._ring()
         return True
 
     def spill_frames(self, frames: Sequence[Any]) -> list[Any]:
@@ -221,6 +244,7 @@ class RingWriter:
         return head + size
 
     def _ring(self) -> None:
+        self.bells += 1
         if self._bell >= 0:
             try:
                 os.write(self._bell, b"\0")
@@ -263,6 +287,11 @@ class RingReader:
         self._waiting_since = 0.0  # (_note_wait)
         self._waiting_for: tuple[int, int] = (-1, -1)
         self._warned = False
+
+    def set_asleep(self, asleep: bool) -> None:
+        """Tell the writer whether to ring the doorbell after each record (see the module
+        docstring: after setting it, fence, then look at the ring before blocking)."""
+        self._words[_ASLEEP] = 1 if asleep else 0
 
     def ready(self) -> bool:
         """Whether the next message in sequence may be delivered now (no side effects but

@@ -98,6 +98,12 @@ class RingInbox:
             self.gated.pop(identity, None)
             self.snapshot = tuple(self._readers.items())
 
+    def set_asleep(self, asleep: bool) -> None:
+        """Tell the writers of every ring read here whether this receiver blocks on the
+        doorbell (see ``_ring``)."""
+        for _, reader in self.snapshot:
+            reader.set_asleep(asleep)
+
     def any_ready(self) -> bool:
         for _, reader in self.snapshot:  # noqa: SIM110 - a busy poll's loop: no generator
             if reader.ready():

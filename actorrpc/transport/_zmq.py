@@ -34,7 +34,7 @@ import zmq
 import zmq.auth.thread
 
 from ..errors import ActorRpcError, InvalidArgumentError, PeerUnreachableError, ProtocolError
-from ._ring import RingWriter, rings_supported
+from ._ring import RingWriter, full_fence, rings_supported
 from ._ring_inbox import RING_ACCEPT, RING_OFFER, RingInbox
 
 __all__ = ["SECURITY_MODES", "PeerLink", "Transport"]
@@ -500,12 +500,17 @@ class Transport:
             rings.read(messages)
             if messages or timeout <= 0 or attempt:
                 return messages
-            # drained before the last look: a ring written after it rings again
+            # asleep, fenced and drained before the last look: a record published
+            # after it rings the doorbell (see ``_ring``)
+            rings.set_asleep(True)
+            full_fence()
             doorbell.drain()
             rings.read(messages)
+            if not messages:
+                _zmq_poll([(inbox, _POLLIN), (doorbell.fd, _POLLIN)], int(timeout * 1000))
+            rings.set_asleep(False)
             if messages:
                 return messages
-            _zmq_poll([(inbox, _POLLIN), (doorbell.fd, _POLLIN)], int(timeout * 1000))
         return messages
 
     def _poll_busily(self, until: float) -> bool:
