@@ -325,6 +325,34 @@ def test_a_receiver_that_does_not_block_costs_its_writers_no_doorbell(pair) -> N
     assert link.ring.bells == bells
 
 
+def test_a_receiver_interrupted_in_its_sleep_or_a_forgotten_ring_is_awake_again(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorrpc.transport import _zmq
+
+    sender, receiver = pair
+    link = _switched(sender, receiver)
+    assert link.ring is not None
+
+    def interrupted(*args: object) -> object:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_zmq, "_zmq_poll", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        receiver.receive(30.0)  # (its sleep is cut short: writers need not ring any more)
+    bells = link.ring.bells
+    link.send([b"AR-header", b"after"])
+    assert link.ring.bells == bells
+    (_, reader), = receiver._ring_inbox.snapshot
+    reader.set_asleep(True)
+    receiver.drop_link(b"no such peer")  # (others' rings stay as they are)
+    link.send([b"AR-header", b"asleep"])
+    assert link.ring.bells == bells + 1
+    receiver._ring_inbox.forget(receiver._ring_inbox.snapshot[0][0])
+    link.send([b"AR-header", b"forgotten"])
+    assert link.ring.bells == bells + 1
+
+
 def test_a_busy_poll_finds_a_ring_message(pair) -> None:
     sender, receiver = pair
     link = _switched(sender, receiver)

@@ -33,7 +33,9 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
     0      2    magic       b"AR"
     2      1    version     PROTOCOL_VERSION (8; 7 pickled a strided view of a
                             numpy dtype in the general form of
-                            serialization._tensors, 6 had no message id in a
+                            serialization._tensors, and its rings' writers rang
+                            the doorbell after every record, their readers never
+                            set ``asleep``; 6 had no message id in a
                             rider and no RESPONSE riders, 5 pickled every tensor in the
                             general form of serialization._tensors, 4 had no
                             REMOTE_CALL_FETCH, 3 had

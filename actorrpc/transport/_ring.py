@@ -423,7 +423,8 @@ class RingReader:
 
 
 class Doorbell:
-    """A receiver's FIFO that writers of its rings write a byte to after each message."""
+    """A receiver's FIFO that writers of its rings write a byte to after a message while
+    the receiver sleeps on it (the rings' ``asleep`` word)."""
 
     def __init__(self) -> None:
         self.path = os.path.join(SHM_DIRECTORY, new_segment_name())

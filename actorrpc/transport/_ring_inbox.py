@@ -85,6 +85,7 @@ class RingInbox:
         previous = self._readers.get(identity)
         if previous is not None:  # an earlier link's ring: what it holds comes first
             self._read_one(identity, previous, into)
+            previous.set_asleep(False)
         with self._lock:
             self._readers[identity] = reader
             self.gated[identity] = reader
@@ -94,15 +95,26 @@ class RingInbox:
     def forget(self, identity: bytes) -> None:
         """Stop reading ``identity``'s ring (the receiving thread may finish a read of it)."""
         with self._lock:
-            self._readers.pop(identity, None)
+            reader = self._readers.pop(identity, None)
             self.gated.pop(identity, None)
             self.snapshot = tuple(self._readers.items())
+        if reader is not None:
+            reader.set_asleep(False)  # (a writer still alive need not ring for it)
 
-    def set_asleep(self, asleep: bool) -> None:
-        """Tell the writers of every ring read here whether this receiver blocks on the
-        doorbell (see ``_ring``)."""
-        for _, reader in self.snapshot:
-            reader.set_asleep(asleep)
+    def fall_asleep(self) -> tuple[RingReader, ...]:
+        """Tell the writers of every ring read here that this receiver is about to block
+        on the doorbell (see ``_ring``); the rings told, for :meth:`wake_up`."""
+        readers = tuple(reader for _, reader in self.snapshot)
+        for reader in readers:
+            reader.set_asleep(True)
+        return readers
+
+    @staticmethod
+    def wake_up(readers: tuple[RingReader, ...]) -> None:
+        """This receiver no longer blocks: the rings :meth:`fall_asleep` told (also any
+        forgotten meanwhile, whose writers would otherwise ring for nothing)."""
+        for reader in readers:
+            reader.set_asleep(False)
 
     def any_ready(self) -> bool:
         for _, reader in self.snapshot:  # noqa: SIM110 - a busy poll's loop: no generator

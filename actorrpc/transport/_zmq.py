@@ -502,13 +502,15 @@ class Transport:
                 return messages
             # asleep, fenced and drained before the last look: a record published
             # after it rings the doorbell (see ``_ring``)
-            rings.set_asleep(True)
-            full_fence()
-            doorbell.drain()
-            rings.read(messages)
-            if not messages:
-                _zmq_poll([(inbox, _POLLIN), (doorbell.fd, _POLLIN)], int(timeout * 1000))
-            rings.set_asleep(False)
+            told = rings.fall_asleep()
+            try:
+                full_fence()
+                doorbell.drain()
+                rings.read(messages)
+                if not messages:
+                    _zmq_poll([(inbox, _POLLIN), (doorbell.fd, _POLLIN)], int(timeout * 1000))
+            finally:
+                rings.wake_up(told)
             if messages:
                 return messages
         return messages
