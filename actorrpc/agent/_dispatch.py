@@ -202,7 +202,7 @@ class MessageDispatcher:
     def _finish_request(self, sender: int, message_id: int, outcome: Any) -> None:
         if message_id == 0:  # a notification: never answered
             if isinstance(outcome, Failure):
-                self.warn(f"a notification from worker {sender} failed: {outcome.error!r}")
+                self._notification_failed(sender, outcome.error)
             with self._inflight_lock:
                 self._inflight -= 1
             return
@@ -417,7 +417,11 @@ class MessageDispatcher:
         try:
             entry.handler(IncomingRequest(kind, sender, 0, loads(body)))
         except Exception as exc:  # noqa: BLE001 - as any failed notification
-            self.warn(f"a notification from worker {sender_rank} failed: {exc!r}")
+            self._notification_failed(sender_rank, exc)
+
+    def _notification_failed(self, sender_rank: int, error: BaseException) -> None:
+        """Nobody waits for a notification's outcome: its failure is only logged."""
+        self.warn(f"a notification from worker {sender_rank} failed: {error!r}")
 
     def _serve_on_pool(self, box: list[tuple[Any, ...]]) -> None:
         """A pool task: serve the request in ``box``, then receive the next ones here.
