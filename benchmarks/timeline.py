@@ -1,6 +1,7 @@
 """The median timeline of one call, both workers on one clock: where its time goes.
 
     python benchmarks/timeline.py [--mode sync|remote|echo|autograd] [--n 2000] [--pin]
+                                  [--probe MODULE:QUALNAME ...]
 
 Two spawned actorrpc workers on this host (so ``time.perf_counter`` is one clock);
 rank 0 makes ``--n`` calls of one kind to rank 1 after a warm-up. Both processes
@@ -12,7 +13,9 @@ Events are prefixed ``A`` (the caller) or ``B`` (the callee) and carry the messa
 kind (``MessageKind`` value: 1 CALL, 2 RESPONSE, 4 REMOTE_CALL, 5 RREF_FETCH,
 8 RREF_USER_DELETE, 9 backward, 10 AUTOGRAD_CLEANUP; ``echo`` sends 1 MiB). Iterations are
 grouped by their sequence of events and, for the most common sequences, the median time of
-each event since the iteration began is printed.
+each event since the iteration began is printed. ``--probe module:Class.method`` (repeatable)
+adds events on entering (``P``) and leaving (``p``) any function; ``kind`` is then the
+probe's index.
 
 Reading it: the gaps between ``R`` and the next ``S`` on one side are Python
 (decoding, unpickling, the handler, pickling); ``S`` to ``s`` is the send (on a
@@ -96,6 +99,32 @@ def _record_events() -> None:
     _dispatch.run_user_function = recorded_run  # type: ignore[attr-defined]
 
 
+def _record_probes(probes: list[str]) -> None:
+    """Wrap each ``module:Qual.name`` so that entering it records ``P<i>`` and leaving ``p<i>``."""
+    import importlib
+
+    clock = time.perf_counter
+    events = _EVENTS
+    for index, probe in enumerate(probes):
+        module_name, _, qualname = probe.partition(":")
+        owner: Any = importlib.import_module(module_name)
+        *path, name = qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
+        if isinstance(original, staticmethod):  # pragma: no cover - reached through the class
+            original = original.__func__
+
+        def recorded(*args: Any, __original: Any = original, __index: int = index, **kwargs: Any) -> Any:
+            events.append((clock(), "P", __index))
+            try:
+                return __original(*args, **kwargs)
+            finally:
+                events.append((clock(), "p", __index))
+
+        setattr(owner, name, recorded)
+
+
 def _one_call(rpc: Any, mode: str) -> Any:
     if mode == "remote":
         return rpc.remote("worker1", noop, args=(1,)).to_here()
@@ -129,10 +158,11 @@ def _print_timeline(starts: list[float], events: list[tuple[float, str, int]]) -
         print(f"  {medians[-1]:8.1f}  end of the iteration")
 
 
-def _worker(rank: int, port: int, mode: str, n: int, pin: bool) -> None:
+def _worker(rank: int, port: int, mode: str, n: int, pin: bool, probes: list[str]) -> None:
     if pin:
         os.sched_setaffinity(0, {rank})
     _record_events()
+    _record_probes(probes)
     import actorrpc as rpc
 
     options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
@@ -162,8 +192,14 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=2000)
     parser.add_argument("--pin", action="store_true", help="pin rank r to CPU r")
     parser.add_argument("--port", type=int, default=29771)
+    parser.add_argument(
+        "--probe", action="append", default=[], metavar="MODULE:QUALNAME",
+        help="also record entering (P<i>) and leaving (p<i>) this function; repeatable",
+    )
     args = parser.parse_args()
-    mp.spawn(_worker, args=(args.port, args.mode, args.n, args.pin), nprocs=2)
+    for index, probe in enumerate(args.probe):
+        print(f"probe {index}: {probe}")
+    mp.spawn(_worker, args=(args.port, args.mode, args.n, args.pin, args.probe), nprocs=2)
 
 
 if __name__ == "__main__":

@@ -360,9 +360,9 @@ def test_gradients_for_sent_leaves_go_to_them_without_an_engine_pass(
 
 @pytest.mark.timeout(60)
 def test_a_message_of_leaves_makes_its_send_node_only_when_needed(workers: list[str]) -> None:
-    """Leaves sent are recorded as they are; their SendRpcBackward node is made when
-    asked for (``_send_functions()``) or needed (a hook registered after the send), with
-    the edges it would have had; a message with a non-leaf gets its node at once."""
+    """Leaves sent are recorded as they are; their edges are made when needed (a hook
+    registered after the send) and a SendRpcBackward node only when asked for
+    (``_send_functions()``); a message with a non-leaf gets its edges at once, no node."""
     from actorrpc.agent import current_agent
     from actorrpc.autograd import _engine
 
@@ -371,13 +371,15 @@ def test_a_message_of_leaves_makes_its_send_node_only_when_needed(workers: list[
     with dist_autograd.context() as context_id:
         rpc.rpc_sync("worker1", torch.mul, args=(t1, t2))
         (send,) = store.retrieve(context_id).send_functions.values()
-        assert send.aliases is None and send.leaves == (t1, t2)
+        assert send.aliases is None and send.edges is None and send.leaves == (t1, t2)
         (node,) = dist_autograd._current_context()._send_functions().values()
         assert node.name() == "SendRpcBackward"
         assert [n.variable for n, _ in node.next_functions] == [t1, t2]
         rpc.rpc_sync("worker1", torch.mul, args=(t1, t2 * 1))
         mixed = [s for s in store.retrieve(context_id).send_functions.values() if s is not send]
-        assert mixed[0].aliases is not None and mixed[0].leaves is None
+        assert mixed[0].edges is not None and mixed[0].leaves is None
+        assert mixed[0].aliases is None  # no node: a pass starts at the edges
+        assert [type(e.node).__name__ for e in mixed[0].edges] == ["AccumulateGrad", "MulBackward0"]
     with dist_autograd.context() as context_id:
         loss = rpc.rpc_sync("worker1", torch.mul, args=(t1, t2)).sum()
         t1.register_hook(lambda grad: grad * 3)  # after the send: the engine must run it
@@ -443,6 +445,21 @@ def test_an_expanded_gradient_from_the_wire_is_copied(workers: list[str]) -> Non
         dist_autograd.backward(context_id, [loss], retain_graph=True)
         dist_autograd.backward(context_id, [loss])
         _assert_grads(context_id, [t1, t2], [torch.full((3, 3), 2.0, dtype=torch.float64)] * 2)
+
+
+@pytest.mark.timeout(60)
+def test_a_sent_tensor_changed_in_place_afterwards_backpropagates_as_it_was_sent(
+    workers: list[str],
+) -> None:
+    """The pass from a send function starts at the edges the tensors had when they left
+    (torch's SendRpcBackward): ``sent.mul_(5)`` after the RPC is not part of it."""
+    (t1,) = _leaves((3, 3), seed=8)
+    with dist_autograd.context() as context_id:
+        sent = t1 * 3
+        loss = rpc.rpc_sync("worker1", torch.sum, args=(sent,))
+        sent.mul_(5)
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(context_id, [t1], [torch.full((3, 3), 3.0, dtype=torch.float64)])
 
 
 @pytest.mark.timeout(60)

@@ -22,7 +22,8 @@ Backward is a message-driven graph traversal keyed by context id:
 2. For each recv node that got a gradient it sends ``AUTOGRAD_BACKWARD(context_id,
    message_id, grads, retain_graph, pass_id)`` to the worker holding the matching
    send function.
-3. That worker runs the same local pass from the send function's aliases with the
+3. That worker runs the same local pass from the send function's edges (where the
+   sent tensors' gradients entered their graph when they were sent) with the
    received gradients, sends further messages for the recv nodes it reaches, and
    replies when all of them have replied (its handler returns a future, so no
    pool thread waits: cycles such as worker0 -> worker1 -> worker0 cannot
@@ -92,7 +93,7 @@ from ._functions import (
     Reach,
     find_grad_tensors,
     gradients_at,
-    leaves_at_edges,
+    leaves_of_edges,
     make_recv_outputs,
     reach_from,
     recv_tag,
@@ -307,7 +308,7 @@ class AutogradEngine:
         self,
         ctx: DistAutogradContext,
         start: list[Any],
-        outputs: list[torch.Tensor],
+        outputs: list[Any],
         grad_outputs: list[torch.Tensor],
         reach: Reach,
         retain_graph: bool,
@@ -391,7 +392,7 @@ class AutogradEngine:
                     f"shape {tuple(tensor.shape)} (gradient {index})"
                 )
         if send.leaves is None:
-            send.leaves = leaves_at_edges(send.node) or ()
+            send.leaves = leaves_of_edges(send.roots) or ()
         if send.leaves and _pass_straight_to_leaves(send.leaves, grads):
             # each tensor of the message was a leaf: its gradient is the one that came
             # back, as the engine would find it (SendRpcBackward is the identity)
@@ -401,8 +402,8 @@ class AutogradEngine:
                     ctx.accumulate(leaf, grad, owned=id(grad) in single)
             return [], []
         if send.reach is None:
-            send.reach = reach_from([send.node])
-        pairs = [(a, g) for a, g in zip(send.tensors, grads) if g is not None]
+            send.reach = reach_from([edge.node for edge in send.roots])
+        pairs = [(edge, g) for edge, g in zip(send.roots, grads) if g is not None]
         return self._local_pass(
             ctx, [("send", message_id)], [a for a, _ in pairs], [g for _, g in pairs],
             send.reach, retain_graph, pass_id, reply_to,

@@ -3,9 +3,11 @@
 ``SendRpc`` and ``RecvRpc`` are identity ``torch.autograd.Function`` s. Their
 nodes are named ``SendRpcBackward`` and ``RecvRpcBackward``, as in torch:
 
-* ``SendRpcBackward`` is the grad_fn of private aliases of the tensors that left
-  this worker; backpropagating from the aliases with the gradients that come back
-  reaches exactly the graph those tensors had when they were sent.
+* Where tensors left this worker, a pass starts from their gradient edges as
+  they were when sent (:func:`edges_of`); backpropagating from those edges with
+  the gradients that come back reaches exactly the graph the tensors had when
+  they were sent. ``SendRpcBackward`` nodes (over private aliases of the sent
+  tensors) are made only when the context is inspected (``_send_functions()``).
 * ``RecvRpcBackward`` is the grad_fn of the tensors that arrived. A local pass
   never runs it: it asks ``torch.autograd.grad`` for the gradient at its output
   edges, which is what must travel back to the sender.
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import has_torch_function
 
 try:  # torch.autograd.grad's own way into the C++ engine
@@ -37,7 +40,8 @@ __all__ = [
     "SendRpc",
     "find_grad_tensors",
     "gradients_at",
-    "leaves_at_edges",
+    "edges_of",
+    "leaves_of_edges",
     "reach_from",
     "recv_tag",
     "replace_tensors",
@@ -47,6 +51,8 @@ __all__ = [
 # number of outputs); ints only, so no cycle node <-> records. One attribute: every
 # attribute of a torch node is a torch call, costly when caches are cold.
 _TAG = "_actorrpc_recv"
+
+_PythonNode = torch._C._FunctionBase  # the nodes of torch.autograd.Function s
 
 # Input of every RecvRpc so that its outputs require grad; never receives a gradient.
 _ANCHOR = torch.zeros((), requires_grad=True)
@@ -119,6 +125,32 @@ def make_recv_outputs(
     node = outputs[0].grad_fn
     setattr(node, _TAG, (context_id, message_id, sender, len(outputs)))
     return outputs, node
+
+
+def edges_of(tensors: Iterable[torch.Tensor]) -> tuple[GradientEdge, ...]:
+    """Where each tensor's gradient enters its graph now: ``GradientEdge(grad_fn, output_nr)``
+    (a leaf's is its ``AccumulateGrad`` node's)."""
+    edges = []
+    for tensor in tensors:
+        grad_fn = tensor.grad_fn
+        if grad_fn is None or isinstance(grad_fn, _PythonNode):
+            # a leaf; or a Python node, which its Python object does not keep alive:
+            # torch's own function adds an ownership token for it
+            edges.append(get_gradient_edge(tensor))
+        else:
+            edges.append(GradientEdge(grad_fn, tensor.output_nr))
+    return tuple(edges)
+
+
+def leaves_of_edges(edges: Iterable[GradientEdge]) -> tuple[torch.Tensor, ...] | None:
+    """The leaf tensors ``edges`` lead to, in order, if every edge leads to one."""
+    leaves = []
+    for edge in edges:
+        variable = getattr(edge.node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is None:
+            return None
+        leaves.append(variable)
+    return tuple(leaves)
 
 
 def recv_tag(node: Any) -> tuple[int, int, int, int] | None:
@@ -239,23 +271,12 @@ def reach_from(nodes: Iterable[Any], extra_leaves: Iterable[torch.Tensor] = ()) 
     return Reach(leaves, recvs)
 
 
-def leaves_at_edges(node: Any) -> tuple[torch.Tensor, ...] | None:
-    """The leaf tensors ``node``'s edges lead to, in order, if every edge leads to one."""
-    leaves = []
-    for child, _ in node.next_functions:
-        variable = getattr(child, "variable", None)  # AccumulateGrad: a leaf
-        if variable is None:
-            return None
-        leaves.append(variable)
-    return tuple(leaves)
-
-
 def gradients_at(
-    outputs: list[torch.Tensor], inputs: list[Any], grad_outputs: list[torch.Tensor]
+    outputs: list[Any], inputs: list[Any], grad_outputs: list[torch.Tensor]
 ) -> tuple[torch.Tensor | None, ...]:
     """``torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True, allow_unused=True)``.
 
-    ``inputs`` are tensors and ``GradientEdge`` s. Enters the C++ engine as
+    ``outputs`` and ``inputs`` are tensors and ``GradientEdge`` s. Enters the C++ engine as
     ``torch.autograd.grad`` does, without its argument normalisation and Python
     shape checks (~13 µs of a pass): callers pass gradients of their outputs'
     exact shapes (the engine would only check that they broadcast; gradients
@@ -263,7 +284,7 @@ def gradients_at(
     Tensor subclasses that override torch functions take the public path.
     """
     if _engine_run_backward is not None and not (
-        has_torch_function(tuple(outputs))
+        has_torch_function(tuple(o for o in outputs if isinstance(o, torch.Tensor)))
         or has_torch_function(tuple(i for i in inputs if isinstance(i, torch.Tensor)))
     ):
         return _engine_run_backward(
