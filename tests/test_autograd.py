@@ -7,6 +7,7 @@ context: leaving a context must release it everywhere, transitively.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections.abc import Callable, Iterator
@@ -829,6 +830,32 @@ def test_random_programs_match_local_autograd(workers: list[str], seed: int) -> 
                 assert got is None
             else:
                 torch.testing.assert_close(got, want)
+
+
+@pytest.mark.timeout(30)
+def test_local_passes_call_the_engine_directly_unless_autograd_logs_debug(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without CUDA every node runs on the calling thread: the C++ engine is entered
+    directly; with torch's autograd logger at DEBUG, through torch's wrapper (which logs)."""
+    from actorrpc.autograd import _functions
+
+    wrapped: list[int] = []
+    real = _functions._engine_run_backward
+    monkeypatch.setattr(_functions, "_engine_run_backward",
+                        lambda *a, **k: wrapped.append(1) or real(*a, **k))
+    leaf = torch.ones(3, requires_grad=True)
+    loss = (leaf * 2).sum()
+    (grad,) = _functions.gradients_at([loss], [leaf], [torch.ones(())])
+    assert grad.tolist() == [2.0, 2.0, 2.0] and wrapped == []
+    monkeypatch.setattr(_functions._graph_log, "level", logging.DEBUG)
+    _functions._graph_log.manager._clear_cache()
+    try:
+        (grad,) = _functions.gradients_at([loss], [leaf], [torch.full((), 3.0)])
+    finally:
+        monkeypatch.undo()
+        _functions._graph_log.manager._clear_cache()
+    assert grad.tolist() == [6.0, 6.0, 6.0] and wrapped == [1]
 
 
 @pytest.mark.timeout(30)
