@@ -833,6 +833,39 @@ def test_random_programs_match_local_autograd(workers: list[str], seed: int) -> 
 
 
 @pytest.mark.timeout(30)
+def test_walking_values_finds_tensors_in_order_once_and_replaces_sharing_the_rest() -> None:
+    """Both ends of a message must find the same tensors in the same order (depth
+    first, each once); replacing copies only the containers that change."""
+    from collections import OrderedDict, namedtuple
+
+    from actorrpc.autograd._functions import find_grad_tensors, replace_tensors
+
+    a, b, c = (torch.ones(1, requires_grad=True) for _ in range(3))
+    frozen = torch.ones(1)
+    Pair = namedtuple("Pair", "x y")
+    shared = [b, frozen]
+    cyclic: list[Any] = [c]
+    cyclic.append(cyclic)
+    value = ((a, shared), {"k": Pair(shared, c), "empty": []}, cyclic, "text", a)
+    assert [id(t) for t in find_grad_tensors(*value)] == [id(a), id(b), id(c)]
+    deep: list[Any] = [a]
+    for _ in range(5000):  # deeper than the recursion limit: walked without recursion
+        deep = [deep]
+    assert find_grad_tensors(deep, b) == [a, b]
+
+    a2, c2 = torch.zeros(1), torch.zeros(1)
+    untouched = (frozen, [1, 2], OrderedDict(z=frozen))
+    args = (a, untouched, Pair(c, 3), OrderedDict(k=c), [cyclic])
+    new = replace_tensors(args, {id(a): a2, id(c): c2})
+    assert new[0] is a2 and new[1] is untouched  # a container without changes is shared
+    assert type(new[2]) is Pair and new[2].x is c2 and new[2].y == 3
+    assert type(new[3]) is OrderedDict and new[3]["k"] is c2
+    assert new[4][0][0] is c2 and new[4][0][1] is cyclic  # the cycle back keeps the original
+    assert args[0] is a and args[2].x is c  # the original is unchanged
+    assert replace_tensors("text", {}) == "text"
+
+
+@pytest.mark.timeout(30)
 def test_local_passes_call_the_engine_directly_unless_autograd_logs_debug(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

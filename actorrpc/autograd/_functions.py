@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterable
+import operator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,49 +167,58 @@ def recv_tag(node: Any) -> tuple[int, int, int, int] | None:
 # -- values ------------------------------------------------------------------------------
 
 
-def _children(obj: Any) -> Iterable[Any] | None:
-    if isinstance(obj, (list, tuple)):
-        return obj
-    if isinstance(obj, dict):
-        return obj.values()
-    return None
+_Tensor = torch.Tensor
+_WALKED = (torch.Tensor, list, tuple, dict)  # what the walks below look into (or replace)
 
 
 def find_grad_tensors(*values: Any) -> list[torch.Tensor]:
-    """Tensors requiring grad in ``values``, in walk order, each once."""
+    """Tensors requiring grad in ``values``, in walk order, each once.
+
+    Depth first, each container's elements in order; a container reached twice (or
+    through a cycle) is walked once, where it is first reached. A stack of iterators:
+    no recursion, however deep the nesting.
+    """
     found: list[torch.Tensor] = []
     seen: set[int] = set()
-    stack: list[Any] = list(reversed(values))
+    stack: list[Iterator[Any]] = [iter(values)]
     while stack:
-        obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            if obj.requires_grad and id(obj) not in seen:
+        for obj in stack[-1]:
+            if isinstance(obj, _Tensor):
+                if obj.requires_grad and id(obj) not in seen:
+                    seen.add(id(obj))
+                    found.append(obj)
+            elif isinstance(obj, (list, tuple)):
+                if obj and id(obj) not in seen:
+                    seen.add(id(obj))
+                    stack.append(iter(obj))
+                    break  # (this level's iterator resumes after the container)
+            elif isinstance(obj, dict) and obj and id(obj) not in seen:
                 seen.add(id(obj))
-                found.append(obj)
-            continue
-        children = _children(obj)
-        if children is None or id(obj) in seen:
-            continue
-        seen.add(id(obj))  # a container reached twice (or a cycle) is walked once
-        stack.extend(reversed(list(children)))
+                stack.append(iter(obj.values()))
+                break
+        else:
+            stack.pop()
     return found
 
 
 def replace_tensors(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
-    """A copy of ``obj`` whose tensors with ids in ``mapping`` are replaced; shares the rest."""
+    """A copy of ``obj`` whose tensors with ids in ``mapping`` are replaced; shares the rest
+    (a container none of whose elements changed is itself, not a copy)."""
     memo: dict[int, Any] = {}
 
     def rebuild(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, _Tensor):
             return mapping.get(id(value), value)
-        if _children(value) is None:
-            return value
         key = id(value)
         if key in memo:
             return memo[key]
         memo[key] = value  # a cycle back to this container keeps the original
         if isinstance(value, dict):
-            items = {k: rebuild(v) for k, v in value.items()}
+            items = {
+                k: (mapping.get(id(v), v) if isinstance(v, _Tensor) else rebuild(v))
+                if isinstance(v, _WALKED) else v
+                for k, v in value.items()
+            }
             if all(items[k] is value[k] for k in value):
                 return value
             if type(value) is dict:
@@ -217,8 +227,12 @@ def replace_tensors(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
                 new = copy.copy(value)
                 new.update(items)
         else:
-            elements = [rebuild(v) for v in value]
-            if all(a is b for a, b in zip(elements, value)):
+            elements = [
+                (mapping.get(id(v), v) if isinstance(v, _Tensor) else rebuild(v))
+                if isinstance(v, _WALKED) else v
+                for v in value
+            ]
+            if all(map(operator.is_, elements, value)):
                 return value
             if isinstance(value, list):
                 new = elements if type(value) is list else type(value)(elements)
@@ -231,7 +245,7 @@ def replace_tensors(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
         memo[key] = new
         return new
 
-    return rebuild(obj)
+    return rebuild(obj) if isinstance(obj, _WALKED) else obj
 
 
 # -- graphs --------------------------------------------------------------------------------
