@@ -112,8 +112,7 @@ def _record_probes(probes: list[str]) -> None:
         for part in path:
             owner = getattr(owner, part)
         original = getattr(owner, name)
-        if isinstance(original, staticmethod):  # pragma: no cover - reached through the class
-            original = original.__func__
+        static = isinstance(owner, type) and isinstance(vars(owner).get(name), staticmethod)
 
         def recorded(*args: Any, __original: Any = original, __index: int = index, **kwargs: Any) -> Any:
             events.append((clock(), "P", __index))
@@ -122,7 +121,7 @@ def _record_probes(probes: list[str]) -> None:
             finally:
                 events.append((clock(), "p", __index))
 
-        setattr(owner, name, recorded)
+        setattr(owner, name, staticmethod(recorded) if static else recorded)
 
 
 def _one_call(rpc: Any, mode: str) -> Any:

@@ -20,6 +20,8 @@ import actorrpc as rpc
 import actorrpc.autograd as dist_autograd
 from actorrpc.errors import DistAutogradError
 
+from ._waiting import wait_until
+
 # -- helpers that run on the workers -------------------------------------------------------------
 
 
@@ -89,6 +91,29 @@ def _sum_of_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _call_back_local(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a * 2 + b) * a
+
+
+class _Double(torch.autograd.Function):
+    """A Python autograd node that also stores a ``variable`` in its ctx (as a user may)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.variable = "user state"
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad * 2
+
+
+def _nnz(x: torch.Tensor) -> int:
+    return int(x._nnz())
+
+
+def _sparse_from_python_node(n: int) -> torch.Tensor:
+    leaf = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (n,), requires_grad=True,
+                                   check_invariants=True)
+    return _Double.apply(leaf)
 
 
 class _Boom(torch.autograd.Function):
@@ -464,6 +489,47 @@ def test_a_sent_tensor_changed_in_place_afterwards_backpropagates_as_it_was_sent
 
 
 @pytest.mark.timeout(60)
+def test_sent_outputs_of_python_nodes_dense_and_sparse(workers: list[str]) -> None:
+    """A sent tensor whose grad_fn is a Python node (a custom Function) keeps that node
+    alive through its edge's token (a view for strided tensors, an alias for sparse ones,
+    which have no views); a ctx attribute named ``variable`` does not make it a leaf."""
+    import gc
+
+    from actorrpc.autograd._functions import edges_of, leaves_of_edges
+
+    (x,) = _leaves((3,), seed=9)
+    assert leaves_of_edges(edges_of([_Double.apply(x)])) is None
+    with dist_autograd.context() as context_id:
+        sent = _Double.apply(x)
+        loss = rpc.rpc_sync("worker1", torch.sum, args=(sent,))
+        sent.detach_()  # only the edge's token keeps the custom node alive now
+        del sent
+        gc.collect()
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(context_id, [x], [torch.full((3,), 2.0, dtype=torch.float64)])
+        sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (3,), requires_grad=True,
+                                         check_invariants=True)
+        assert rpc.rpc_sync("worker1", _nnz, args=(_Double.apply(sparse),)) == 2
+        assert rpc.rpc_sync("worker1", _sparse_from_python_node, args=(3,))._nnz() == 2
+
+
+@pytest.mark.timeout(60)
+def test_gradient_shapes_are_checked_against_the_shapes_sent(workers: list[str]) -> None:
+    """``y.data = ...`` after the send changes y's shape, not the graph it was sent with."""
+    x = torch.ones(3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        y = x * 3
+        loss = rpc.rpc_sync("worker1", torch.sum, args=(y,))
+        with torch.no_grad():
+            y.data = torch.zeros(5)
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(context_id, [x], [torch.full((3,), 3.0)])
+        y.detach_()
+        with pytest.raises(DistAutogradError, match="no longer require grad"):
+            dist_autograd._retrieve_context(context_id)._send_functions()
+
+
+@pytest.mark.timeout(60)
 def test_backward_from_a_received_scalar(workers: list[str]) -> None:
     t1, t2 = _leaves((3, 3), (3, 3))
     with dist_autograd.context() as context_id:
@@ -743,10 +809,15 @@ def test_context_cleanup_is_a_notification_riding_on_the_next_message(
     # leaving sent nothing that waits for a reply (torch: fire and forget)
     assert not [p for p in list(agent._pending.values()) if "cleanup" in p.description]
     carried, alone = agent.riders.carried, agent.riders.sent_alone
-    # the release rides on this call (or left alone just before it): either way
-    # worker1 handles it before the call
-    assert not rpc.rpc_sync("worker1", _has_context, args=(context_id,))
-    assert agent.riders.carried - carried + agent.riders.sent_alone - alone >= 1
+    # the release rides on this call (or left alone just before it, after RIDER_DELAY);
+    # riding on a call, it is handled once the call was served: the reply does not
+    # wait for the graph to be freed
+    seen_by_carrier = rpc.rpc_sync("worker1", _has_context, args=(context_id,))
+    rode = agent.riders.carried - carried
+    assert rode + agent.riders.sent_alone - alone >= 1
+    if rode:
+        assert seen_by_carrier
+    assert wait_until(lambda: not rpc.rpc_sync("worker1", _has_context, args=(context_id,)), 10)
 
 
 @pytest.mark.timeout(60)

@@ -1284,8 +1284,11 @@ def test_user_deletes_ride_on_the_next_message_to_the_owner(cluster, monkeypatch
     assert agent.riders.carried - carried >= 20
     assert agent.riders.sent_alone == alone
     assert agent.stats.calls_sent[owner] - sent <= 2  # (a liveness PING may go too)
-    # (at most before: an earlier test's RRef on worker1 may be freed meanwhile)
-    assert after <= before or rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"] <= before
+    # the owner applies them once it served that call (its reply does not wait for them);
+    # at most before: an earlier test's RRef on worker1 may be freed meanwhile
+    assert after <= before or wait_until(
+        lambda: rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"] <= before, WAIT
+    )
     # the worker stats show these counters (read between two readings: they only grow)
     low = agent.riders.carried, agent.riders.sent_alone
     notifications = rpc.get_worker_stats()["notifications"]

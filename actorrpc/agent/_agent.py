@@ -220,9 +220,18 @@ class Agent(MessageDispatcher):
 
     # -- registration -------------------------------------------------------------------
 
-    def register_handler(self, kind: MessageKind, handler: Handler, inline: bool = False) -> None:
-        """Route requests of ``kind`` to ``handler``; ``inline`` handlers must never block."""
-        self._handlers[kind] = HandlerEntry(handler, inline)
+    def register_handler(
+        self, kind: MessageKind, handler: Handler, inline: bool = False,
+        after_carrier: bool = False,
+    ) -> None:
+        """Route requests of ``kind`` to ``handler``; ``inline`` handlers must never block.
+
+        ``after_carrier`` (notifications that only let go of something, such as a
+        reference count's decrement): when one rides on a request that a thread
+        serves, it is handled after that request instead of before it, so the
+        request's reply does not wait for it.
+        """
+        self._handlers[kind] = HandlerEntry(handler, inline, after_carrier)
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the I/O thread soon; safe from ``__del__`` and any thread."""

@@ -106,6 +106,9 @@ class CallHook(Protocol):
 class HandlerEntry:
     handler: Handler
     inline: bool
+    # a notification of this kind riding on a request served on a thread is handled
+    # after that request (see ``MessageDispatcher._on_message``)
+    after_carrier: bool = False
 
 
 class PendingCall:

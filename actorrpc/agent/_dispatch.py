@@ -75,6 +75,9 @@ if TYPE_CHECKING:
 __all__ = ["MessageDispatcher"]
 
 _log = logging.getLogger("actorrpc.agent")
+# notifications registered ``after_carrier`` riding on a request are handled after it
+# (False: before it, as every other rider; a switch for same-run A/Bs, ab_switch.py)
+RIDERS_AFTER_CARRIER = True
 _WARN_INTERVAL = 5.0
 # replies a user may wait for (control replies, such as remote()'s creation ack or a
 # cleanup's, arrive after what is waited for and must not keep the I/O thread on the inbox)
@@ -235,49 +238,55 @@ class MessageDispatcher:
         message_id: int,
         parts: list[Any],
         entry: HandlerEntry,
+        later: list[tuple[MessageKind, Any]] | tuple[()] = (),
     ) -> None:
-        started = time.time()
-        in_burst = False  # more requests of this sender wait (its reply may ride: _riders)
-        if message_id:
-            with self._inflight_lock:
-                waiting = self._unstarted.get(sender.id)
-                if waiting:  # (none when the sender left meanwhile: forget_member)
-                    self._unstarted[sender.id] = waiting - 1
-                    in_burst = waiting > 1
-        payload: Any = None
-        undecoded: tuple[Hashable, ...] | None = None
+        """Serve one request, then the notifications that rode on it to be handled after it."""
         try:
-            with unpickling_from(sender.id) as source:
-                try:
-                    payload = loads(parts[0], parts[1:])
-                except DeserializationError:
-                    undecoded = tuple(source.taken_over)
-                    raise
-            if message_id:  # what shutdown names if it gives up waiting for it
-                self._serving[(sender.id, message_id)] = (kind, payload, started)
-            first = payload[0] if type(payload) is tuple and payload else None
-            if source.pending:  # it waits: replies this thread queued go first
-                self.riders.settle_owed()
-                for waiter in source.pending:
-                    waiter.wait()
-            else:
-                self.riders.before_request(kind, first)
-            # its CPU time (holding the GIL, not waiting for it), measured only in a burst
-            cpu_started = time.thread_time() if in_burst else 0.0
-            outcome = entry.handler(IncomingRequest(kind, sender, message_id, payload))
-            self.riders.after_request(
-                kind, first, time.thread_time() - cpu_started if in_burst else None
-            )
-        except BaseException as exc:  # noqa: BLE001 - every failure is answered
-            outcome = Failure(exc, undecoded)
-            self.riders.after_request(kind, None, None)  # not known to be quick
-        if self.tracer.enabled:  # recorded before the reply leaves: a trace stopped after
-            # the caller has its reply holds this request's event
-            what = _request_name(kind, payload)
-            nbytes = sum(memoryview(p).nbytes for p in parts)
-            outcome_name = "error" if isinstance(outcome, Failure) else "ok"
-            self.tracer.served(sender.id, message_id, what, nbytes, started, outcome_name)
-        self._finish_request(sender.id, message_id, outcome)
+            started = time.time()
+            in_burst = False  # more requests of this sender wait (its reply may ride: _riders)
+            if message_id:
+                with self._inflight_lock:
+                    waiting = self._unstarted.get(sender.id)
+                    if waiting:  # (none when the sender left meanwhile: forget_member)
+                        self._unstarted[sender.id] = waiting - 1
+                        in_burst = waiting > 1
+            payload: Any = None
+            undecoded: tuple[Hashable, ...] | None = None
+            try:
+                with unpickling_from(sender.id) as source:
+                    try:
+                        payload = loads(parts[0], parts[1:])
+                    except DeserializationError:
+                        undecoded = tuple(source.taken_over)
+                        raise
+                if message_id:  # what shutdown names if it gives up waiting for it
+                    self._serving[(sender.id, message_id)] = (kind, payload, started)
+                first = payload[0] if type(payload) is tuple and payload else None
+                if source.pending:  # it waits: replies this thread queued go first
+                    self.riders.settle_owed()
+                    for waiter in source.pending:
+                        waiter.wait()
+                else:
+                    self.riders.before_request(kind, first)
+                # its CPU time (holding the GIL, not waiting for it), measured only in a burst
+                cpu_started = time.thread_time() if in_burst else 0.0
+                outcome = entry.handler(IncomingRequest(kind, sender, message_id, payload))
+                self.riders.after_request(
+                    kind, first, time.thread_time() - cpu_started if in_burst else None
+                )
+            except BaseException as exc:  # noqa: BLE001 - every failure is answered
+                outcome = Failure(exc, undecoded)
+                self.riders.after_request(kind, None, None)  # not known to be quick
+            if self.tracer.enabled:  # recorded before the reply leaves: a trace stopped after
+                # the caller has its reply holds this request's event
+                what = _request_name(kind, payload)
+                nbytes = sum(memoryview(p).nbytes for p in parts)
+                outcome_name = "error" if isinstance(outcome, Failure) else "ok"
+                self.tracer.served(sender.id, message_id, what, nbytes, started, outcome_name)
+            self._finish_request(sender.id, message_id, outcome)
+        finally:
+            if later:
+                self._serve_riders(sender.id, later)
 
     def _handle_call(self, request: IncomingRequest) -> Any:
         func, args, kwargs, meta = request.payload[:4]
@@ -343,6 +352,7 @@ class MessageDispatcher:
             len(frames[0]) if len(frames) == 1 else sum(len(f) for f in frames)
         )
         is_response = header.kind in RESPONSE_KINDS
+        later: list[tuple[MessageKind, Any]] = []  # riders handled after the request (rare)
         try:
             if header.flags & FLAG_INLINE_PAYLOAD and len(frames) > 1:
                 raise ProtocolError("a message with an inline payload carries more frames")
@@ -351,14 +361,22 @@ class MessageDispatcher:
                     raise ProtocolError("a message flagged with riders carries no riders frame")
                 riders = decode_riders(frames[-1].buffer)
                 frames = frames[:-1]
-                # handled before the message that carried them, and even if it is refused
+                # handled before the message that carried them, and even if it is refused;
+                # those registered ``after_carrier`` riding on a request served on a
+                # thread: after it
+                carrier = None if is_response or not header.message_id else (
+                    self._handlers.get(header.kind))
+                defer = carrier is not None and not carrier.inline and RIDERS_AFTER_CARRIER
                 for kind, rider_id, body in riders:
                     if rider_id:  # a reply (see _riders)
                         self._on_response(kind, header.sender, rider_id, [body])
+                    elif defer and self._after_carrier(kind):
+                        later.append((kind, body))
                     else:
                         self._on_riding_notification(kind, header.sender, body)
             parts = self.shared.incoming(header, frames)
         except ProtocolError as error:
+            self._serve_riders(header.sender, later)
             pending = self._pending.get(header.message_id)
             if is_response and pending is not None and pending.dest.id == header.sender:
                 self._fail_pending(header.message_id, error)
@@ -370,13 +388,28 @@ class MessageDispatcher:
         if is_response:
             self._on_response(header.kind, header.sender, header.message_id, parts)
         else:
-            self._on_request(header.kind, header.sender, header.message_id, parts)
+            self._on_request(header.kind, header.sender, header.message_id, parts, later)
+
+    def _after_carrier(self, kind: MessageKind) -> bool:
+        entry = self._handlers.get(kind)
+        return entry is not None and entry.after_carrier
+
+    def _serve_riders(self, sender_rank: int, riders: list[tuple[MessageKind, Any]]) -> None:
+        """Handle notifications that rode on a message, in order (see ``_on_message``)."""
+        for kind, body in riders:
+            self._on_riding_notification(kind, sender_rank, body)
 
     def _on_request(self, kind: MessageKind, sender_rank: int, message_id: int,
-                    parts: list[Any]) -> None:
-        """A request (``message_id`` 0: a notification) to its handler, inline or on the pool."""
+                    parts: list[Any], later: list[tuple[MessageKind, Any]] | None = None) -> None:
+        """A request (``message_id`` 0: a notification) to its handler, inline or on the pool.
+
+        ``later``: notifications that rode on it, handled once it was served (or now,
+        if it is not served).
+        """
+        later = later or []
         entry = self._handlers.get(kind)
         if entry is None:
+            self._serve_riders(sender_rank, later)
             error = ProtocolError(f"worker {self.name!r} has no handler for kind {kind.name}")
             if message_id:
                 self._reply_exception(sender_rank, message_id, error, ())
@@ -386,6 +419,7 @@ class MessageDispatcher:
         sender = self._infos.get(sender_rank)
         if sender is None:  # it left the group meanwhile (a dynamic group)
             self.warn(f"dropped a request from rank {sender_rank}: it is no longer a member")
+            self._serve_riders(sender_rank, later)
             return
         if message_id and self.inbox.probing:
             self.inbox.stay()  # a request waited while nobody received
@@ -395,9 +429,9 @@ class MessageDispatcher:
                 self._unstarted[sender_rank] = self._unstarted.get(sender_rank, 0) + 1
         self.stats.requests_served[sender_rank] += 1
         if entry.inline:
-            self._serve(kind, sender, message_id, parts, entry)
+            self._serve(kind, sender, message_id, parts, entry, later)
             return
-        request = (kind, sender, message_id, parts, entry)
+        request = (kind, sender, message_id, parts, entry, later)
         # kept for the pool thread receiving it, unless older work waits in the pool's queue
         if self._pool.has_queued() or not self.inbox.claim(request):
             self._pool.submit(self._serve_on_pool, [request])

@@ -20,7 +20,10 @@ Invariants:
   own are dropped (with a warning for the last).
 * Notifications to one worker keep their order; the receiver handles them
   before the message that carried them (so they are never handled earlier than
-  if they had been sent on their own when queued).
+  if they had been sent on their own when queued), except those of kinds
+  registered ``after_carrier`` (an RRef delete, a context release: they only let
+  something go) riding on a request that a thread serves: right after that
+  request, so its reply does not wait for them.
 * ``MEMBERSHIP`` messages carry none (they are read before the sender is known).
 
 Replies ride too (:meth:`Riders.add_reply`): a pool thread that answers one of

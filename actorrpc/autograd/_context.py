@@ -95,7 +95,8 @@ class SendFunction:
 
     message_id: int
     dest: int  # rank holding the matching recv function
-    tensors: tuple[torch.Tensor, ...]  # as sent (their shapes check the gradients)
+    tensors: tuple[torch.Tensor, ...]  # as sent
+    shapes: tuple[torch.Size, ...]  # the tensors' shapes when sent (check the gradients)
     edges: tuple[GradientEdge, ...] | None  # None until needed, for a message of leaves
     reach: Any = None  # cached _functions.Reach of the edges (the graph below never changes)
     # the leaves the edges lead to (set by ``of`` for a message of leaves, else cached
@@ -106,9 +107,10 @@ class SendFunction:
     @classmethod
     def of(cls, message_id: int, dest: int, tensors: list[torch.Tensor]) -> SendFunction:
         """The send function of ``tensors`` (each requires grad), as the message leaves."""
+        shapes = tuple(t.shape for t in tensors)
         if all(t.is_leaf for t in tensors):
-            return cls(message_id, dest, tuple(tensors), None, leaves=tuple(tensors))
-        return cls(message_id, dest, tuple(tensors), edges_of(tensors))
+            return cls(message_id, dest, tuple(tensors), shapes, None, leaves=tuple(tensors))
+        return cls(message_id, dest, tuple(tensors), shapes, edges_of(tensors))
 
     @property
     def roots(self) -> tuple[GradientEdge, ...]:
@@ -123,11 +125,20 @@ class SendFunction:
         """A ``SendRpcBackward`` node over the sent tensors, for ``_send_functions()``.
 
         Made when first asked for: its edges are the tensors' edges at that moment
-        (the same as ``edges`` unless a tensor was changed in place since).
+        (the same as ``edges`` unless a tensor was changed in place since); a tensor
+        detached since (``detach_()``) is left out.
         """
         if self.aliases is None:
-            self._check_leaves_require_grad()
-            self.aliases = make_send_aliases(list(self.tensors))
+            if self.edges is None:  # a message of leaves
+                self._check_leaves_require_grad()
+            live = [t for t in self.tensors if t.requires_grad]
+            if not live:
+                raise DistAutogradError(
+                    f"the tensors of autograd message {self.message_id} no longer require "
+                    "grad (detach_() after the RPC): no SendRpcBackward node can show its "
+                    "edges (a backward pass still starts where they were when sent)"
+                )
+            self.aliases = make_send_aliases(live)
         return self.aliases[0].grad_fn
 
     def _check_leaves_require_grad(self) -> None:

@@ -53,8 +53,10 @@ and passes the notification on to its own known workers (idempotent, so it
 terminates). As in torch, nobody waits for a cleanup: the notification rides on
 the next message to that worker (the next iteration's first RPC, typically) or
 leaves alone within ``RIDER_DELAY``, so leaving a context costs no message of
-its own and no reply. A receiver handles it before the message that carried it,
-so a worker never sees a later context's messages before the earlier release.
+its own and no reply. A receiver handles it right after serving the request that
+carried it (before any other carrier), so that request's reply does not wait for
+the graph to be freed; torch orders nothing here (its cleanup is a message of its
+own, served concurrently with others).
 """
 
 from __future__ import annotations
@@ -345,20 +347,18 @@ class AutogradEngine:
                 f"autograd context {ctx.context_id} on {self.agent.name!r} has no send function "
                 f"for message {message_id}"
             )
-        sent = send.tensors
+        sent = send.shapes
         if len(grads) != len(sent):
             raise DistAutogradError(
                 f"message {message_id} carries {len(grads)} gradients for "
                 f"{len(sent)} tensors"
             )
-        for index, (tensor, grad) in enumerate(zip(sent, grads)):
-            if grad is not None and (
-                not isinstance(grad, torch.Tensor) or grad.shape != tensor.shape
-            ):
+        for index, (shape, grad) in enumerate(zip(sent, grads)):
+            if grad is not None and (not isinstance(grad, torch.Tensor) or grad.shape != shape):
                 got = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
                 raise DistAutogradError(
                     f"message {message_id} carries a gradient of shape {got} for a tensor of "
-                    f"shape {tuple(tensor.shape)} (gradient {index})"
+                    f"shape {tuple(shape)} (gradient {index})"
                 )
         if send.leaves is None:
             send.leaves = leaves_of_edges(send.roots) or ()
@@ -541,6 +541,8 @@ def install(agent: Agent) -> None:
     engine = AutogradEngine(agent)
     agent.extensions[_EXTENSION] = engine
     agent.register_handler(MessageKind.AUTOGRAD_BACKWARD, engine.handle_backward)
-    agent.register_handler(MessageKind.AUTOGRAD_CLEANUP, engine.handle_cleanup, inline=True)
+    agent.register_handler(  # a release only lets the graph go: it may wait
+        MessageKind.AUTOGRAD_CLEANUP, engine.handle_cleanup, inline=True, after_carrier=True
+    )
     agent.add_call_hook(engine)
     agent.add_close_hook(engine.close)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 import operator
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +59,9 @@ _TAG = "_actorrpc_recv"
 
 # (map over the unbound method: ~5 µs less per node than a generator expression, warm)
 _detach = torch.Tensor.detach
+_ON_MACOS = sys.platform == "darwin"  # (MPS)
 _PythonNode = torch._C._FunctionBase  # the nodes of torch.autograd.Function s
+_AccumulateGrad: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 # Input of every RecvRpc so that its outputs require grad; never receives a gradient.
 _ANCHOR = torch.zeros((), requires_grad=True)
@@ -139,10 +142,16 @@ def edges_of(tensors: Iterable[torch.Tensor]) -> tuple[GradientEdge, ...]:
     edges = []
     for tensor in tensors:
         grad_fn = tensor.grad_fn
-        if grad_fn is None or isinstance(grad_fn, _PythonNode):
-            # a leaf; or a Python node, which its Python object does not keep alive:
-            # torch's own function adds an ownership token for it
+        if grad_fn is None:  # a leaf: its AccumulateGrad node
             edges.append(get_gradient_edge(tensor))
+        elif isinstance(grad_fn, _PythonNode):
+            # the Python object of a Python node does not keep the node alive: the edge
+            # holds a token that does (torch's is a view, which only strided tensors have)
+            if tensor.layout == torch.strided:
+                edges.append(get_gradient_edge(tensor))
+            else:
+                token = make_send_aliases([tensor])[0]
+                edges.append(GradientEdge(grad_fn, tensor.output_nr, token))
         else:
             edges.append(GradientEdge(grad_fn, tensor.output_nr))
     return tuple(edges)
@@ -152,10 +161,10 @@ def leaves_of_edges(edges: Iterable[GradientEdge]) -> tuple[torch.Tensor, ...] |
     """The leaf tensors ``edges`` lead to, in order, if every edge leads to one."""
     leaves = []
     for edge in edges:
-        variable = getattr(edge.node, "variable", None)  # AccumulateGrad: a leaf
-        if variable is None:
+        node: Any = edge.node
+        if type(node) is not _AccumulateGrad:  # (the node of a leaf)
             return None
-        leaves.append(variable)
+        leaves.append(node.variable)
     return tuple(leaves)
 
 
@@ -275,8 +284,8 @@ def reach_from(nodes: Iterable[Any], extra_leaves: Iterable[torch.Tensor] = ()) 
         if node in seen:
             continue
         seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
-        if variable is not None:
+        if type(node) is _AccumulateGrad:  # a leaf (not any node with a ``variable``)
+            variable = node.variable
             if id(variable) not in leaf_ids:
                 leaf_ids.add(id(variable))
                 leaves.append(variable)
@@ -288,6 +297,14 @@ def reach_from(nodes: Iterable[Any], extra_leaves: Iterable[torch.Tensor] = ()) 
             if child is not None and child not in seen:
                 stack.append(child)
     return Reach(leaves, recvs)
+
+
+def _accelerator_initialized() -> bool:
+    """Whether the engine may run nodes on device threads (CUDA, XPU; any on macOS)."""
+    if _ON_MACOS or torch.cuda.is_initialized():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    return xpu is not None and bool(xpu.is_initialized())
 
 
 def gradients_at(
@@ -302,7 +319,7 @@ def gradients_at(
     from a peer are checked on arrival, ``AutogradEngine._continue_at``).
     Tensor subclasses that override torch functions take the public path.
 
-    While no CUDA context exists, the engine runs every node on this thread, so
+    While no accelerator is initialized, the engine runs every node on this thread, so
     the C++ engine is called directly, without ``_engine_run_backward``'s work
     for other threads (a copy of the ``contextvars`` context stashed for device
     threads) and its logging check (~13 µs warm, 30-80 cold); with the
@@ -314,7 +331,7 @@ def gradients_at(
         or has_torch_function(tuple(i for i in inputs if isinstance(i, torch.Tensor)))
     ):
         run = _engine_run_backward
-        if not torch.cuda.is_initialized() and not _graph_log.isEnabledFor(logging.DEBUG):
+        if not _accelerator_initialized() and not _graph_log.isEnabledFor(logging.DEBUG):
             run = _Variable._execution_engine.run_backward
         return run(  # type: ignore[no-any-return]
             tuple(outputs), tuple(grad_outputs), True, False, tuple(inputs), True,

@@ -497,8 +497,9 @@ def _install(agent: Agent) -> None:
     agent.register_handler(
         MessageKind.RREF_CHILD_ACCEPT, lambda r: _handle_child_accept(agent, r), inline=True
     )
-    agent.register_handler(
-        MessageKind.RREF_USER_DELETE, lambda r: _handle_user_delete(agent, r), inline=True
+    agent.register_handler(  # a fork's delete only lets the value go: it may wait
+        MessageKind.RREF_USER_DELETE, lambda r: _handle_user_delete(agent, r), inline=True,
+        after_carrier=True,
     )
     agent.add_shutdown_hook(lambda deadline: _shutdown_rrefs(agent, ctx, deadline))
 
