@@ -218,6 +218,63 @@ def test_a_turn_polls_busily_for_busy_poll_seconds_from_its_start(busy_poll: flo
         assert busy_until == 0.0  # 0: the receive blocks at once
 
 
+class _FlowAgent:
+    """Just enough of an agent for the I/O thread's receives: each returns the next batch."""
+
+    def __init__(self, batches: list[list[Any]], busy_poll: float = 0.001) -> None:
+        self.options = SimpleNamespace(busy_poll=busy_poll)
+        self.calls: list[tuple[float, bool]] = []  # (busy_until, watch_contention)
+
+        def receive(timeout: float, busy_until: float = 0.0,
+                    watch_contention: bool = True) -> list[Any]:
+            self.calls.append((busy_until, watch_contention))
+            return batches.pop(0)
+
+        self._transport = SimpleNamespace(receive=receive)
+
+
+@pytest.mark.parametrize("busy_poll", [0.001, 0.0])
+def test_the_io_thread_polls_only_in_a_flow_of_messages(
+    busy_poll: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a receive that returned messages the I/O thread polls first (its yields go
+    to this worker's own threads: no contention pause); after an empty one it blocks."""
+    from actorrpc.agent import _inbox
+
+    turns = InboxTurns()
+    agent = _FlowAgent([[["m"]], [["m"], ["n"]], [], [], [["m"]]], busy_poll)
+    before = time.monotonic()
+    for _ in range(5):
+        turns._io_receive(agent, 0.05)  # type: ignore[arg-type]
+    polled = [busy_until > 0 for busy_until, _ in agent.calls]
+    if busy_poll:
+        assert polled == [False, True, True, False, False]
+        assert turns.io_flow_polls == 2
+        for busy_until, watch_contention in agent.calls[1:3]:
+            assert before < busy_until <= time.monotonic() + _inbox.IO_FLOW_POLL_SECONDS
+            assert watch_contention is False
+    else:  # busy polling switched off: the I/O thread never polls either
+        assert polled == [False] * 5 and turns.io_flow_polls == 0
+    monkeypatch.setattr(_inbox, "IO_FLOW_POLL_SECONDS", 0.0)
+    agent = _FlowAgent([[["m"]], [["m"]]], busy_poll)
+    turns._io_receive(agent, 0.05)  # type: ignore[arg-type]
+    turns._io_receive(agent, 0.05)  # type: ignore[arg-type]
+    assert [busy_until for busy_until, _ in agent.calls][1] == 0.0
+
+
+def test_the_io_thread_polls_in_a_burst_of_requests(cluster: list[str]) -> None:
+    """A pipelined burst reaches worker1's I/O thread (its pool threads serve): the I/O
+    thread polls between the burst's messages instead of sleeping on its inbox."""
+    before = rpc.get_worker_stats("worker1")["io_flow_polls"]
+
+    def polled() -> bool:
+        futures = [rpc.rpc_async("worker1", _plus_one, args=(i,)) for i in range(200)]
+        assert [f.wait() for f in futures] == [i + 1 for i in range(200)]
+        return bool(rpc.get_worker_stats("worker1")["io_flow_polls"] > before)
+
+    assert wait_until(polled, 20)
+
+
 class _ServingAgent:
     """Just enough of an agent for a serving turn: each receive returns the next batch."""
 

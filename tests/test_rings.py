@@ -293,12 +293,13 @@ def test_a_blocked_receiver_wakes_for_a_ring_message(
     real_poll = _zmq._zmq_poll
 
     def poll(*args: object) -> object:
-        blocking.set()
+        if threading.current_thread() is thread:  # (not a group's I/O thread in this process)
+            blocking.set()
         return real_poll(*args)
 
-    monkeypatch.setattr(_zmq, "_zmq_poll", poll)
     result: list[list[list[object]]] = []
     thread = threading.Thread(target=lambda: result.append(receiver.receive(30.0)))
+    monkeypatch.setattr(_zmq, "_zmq_poll", poll)
     thread.start()
     assert blocking.wait(10)  # it blocks; without the doorbell it would wait 30 s
     started = time.monotonic()
@@ -334,7 +335,11 @@ def test_a_receiver_interrupted_in_its_sleep_or_a_forgotten_ring_is_awake_again(
     link = _switched(sender, receiver)
     assert link.ring is not None
 
+    me, real_poll = threading.current_thread(), _zmq._zmq_poll
+
     def interrupted(*args: object) -> object:
+        if threading.current_thread() is not me:  # (a group's I/O thread in this process)
+            return real_poll(*args)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(_zmq, "_zmq_poll", interrupted)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -26,6 +29,20 @@ def _receive(
         messages.extend(receiver.receive(0.5, time.monotonic() + 0.5 if busy else 0.0))
     return messages
 
+
+
+def _in_this_thread(fn: Callable[[], Any]) -> Callable[[], None]:
+    """``fn`` as the transport's yield for the calling (test) thread only: other threads
+    of this process (a group's I/O thread polls in a flow of messages) yield as usual."""
+    me = threading.get_ident()
+
+    def sched_yield() -> None:
+        if threading.get_ident() == me:
+            fn()
+        else:
+            os.sched_yield()
+
+    return sched_yield
 
 def test_messages_keep_order_and_framing_across_receive_batches(pair) -> None:
     sender, receiver = pair
@@ -120,7 +137,7 @@ def test_a_busy_poll_finds_a_message_sent_meanwhile_without_blocking(
             link.send([b"H" * 20, b"during the busy poll"])
             sent.set()
 
-    monkeypatch.setattr(_zmq, "_sched_yield", poll_then_send)
+    monkeypatch.setattr(_zmq, "_sched_yield", _in_this_thread(poll_then_send))
     monkeypatch.setattr(_zmq, "_LONG_YIELD_SECONDS", 30.0)  # (the send in a yield is slow)
     # a blocking receive of 30 s would fail the test's timeout if the poll missed it
     messages = receiver.receive(30.0, busy_until=time.monotonic() + 30.0)
@@ -135,7 +152,9 @@ def test_a_busy_poll_that_finds_nothing_blocks_as_usual(
     from actorrpc.transport import _zmq
 
     _, receiver = pair
-    monkeypatch.setattr(_zmq, "_sched_yield", lambda: pytest.fail("polled past busy_until"))
+    monkeypatch.setattr(
+        _zmq, "_sched_yield", _in_this_thread(lambda: pytest.fail("polled past busy_until"))
+    )
     monkeypatch.setattr(_zmq, "_LONG_YIELD_SECONDS", 30.0)  # (a preempted poll is no pause here)
     started = time.monotonic()
     assert receiver.receive(0.05, busy_until=started - 1.0) == []  # nothing came: timed out
@@ -143,7 +162,7 @@ def test_a_busy_poll_that_finds_nothing_blocks_as_usual(
     assert receiver.receive(0.01) == []  # busy_until 0: no poll at all
     assert (receiver.busy_poll_hits, receiver.busy_poll_misses) == (0, 0)
     yields: list[int] = []
-    monkeypatch.setattr(_zmq, "_sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(_zmq, "_sched_yield", _in_this_thread(lambda: yields.append(1)))
     # nothing comes within the poll (30 ms: room to be preempted): a miss, then it blocks
     assert receiver.receive(0.05, busy_until=time.monotonic() + 0.03) == []
     assert yields and (receiver.busy_poll_hits, receiver.busy_poll_misses) == (0, 1)
@@ -165,7 +184,7 @@ def test_a_yield_that_gives_the_core_away_stops_polling_for_a_while(
         yields.append(1)
         time.sleep(0.002)
 
-    monkeypatch.setattr(_zmq, "_sched_yield", slow_yield)
+    monkeypatch.setattr(_zmq, "_sched_yield", _in_this_thread(slow_yield))
     monkeypatch.setattr(_zmq, "_MIN_CONTENDED_PAUSE_SECONDS", 30.0)  # (the test's pace)
     monkeypatch.setattr(_zmq, "_MAX_CONTENDED_PAUSE_SECONDS", 100.0)
     monkeypatch.setattr(receiver, "_contended_pause", 30.0)
@@ -181,7 +200,7 @@ def test_a_yield_that_gives_the_core_away_stops_polling_for_a_while(
     assert receiver._contended_pause == 100.0  # doubled again, up to the maximum
     # a poll that finds a message starts the pauses again from the minimum
     monkeypatch.setattr(receiver, "_no_poll_until", 0.0)
-    monkeypatch.setattr(_zmq, "_sched_yield", lambda: None)
+    monkeypatch.setattr(_zmq, "_sched_yield", _in_this_thread(lambda: None))
     monkeypatch.setattr(_zmq, "_LONG_YIELD_SECONDS", 30.0)  # (a preempted poll is no pause here)
     sender, _ = pair
     sender.link(b"1:receiver", receiver.endpoint).send([b"H" * 20, b"x"])

@@ -46,8 +46,9 @@ Invariants:
   work never waits behind a stream of requests served in turns.
 * A turn (a waiter's or a serving one) polls the inbox for ``options.busy_poll``
   seconds from its start, yielding the core between polls, before its receives
-  block (``Transport.receive``'s ``busy_until``); the I/O thread never polls, so
-  an idle worker uses no CPU.
+  block (``Transport.receive``'s ``busy_until``); the I/O thread polls only in a
+  flow of messages, for :data:`IO_FLOW_POLL_SECONDS` after a receive that returned
+  some, so an idle worker uses no CPU.
 * A turn ends when the future is done or the agent stops; a future completed by
   another thread (a timeout, a dead peer, shutdown) wakes the inbox so the turn
   ends promptly. While the main thread has a turn, SIGINT is deferred to the end
@@ -71,12 +72,18 @@ from ._timed_work import run_timed_work, seconds_to_timed_work
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["BACKOFF_SECONDS", "LONG_TURN_SECONDS", "SERVING_TURN_SECONDS", "InboxTurns"]
+__all__ = [
+    "BACKOFF_SECONDS", "IO_FLOW_POLL_SECONDS", "LONG_TURN_SECONDS", "SERVING_TURN_SECONDS",
+    "InboxTurns",
+]
 
 _log = logging.getLogger("actorrpc.agent")
 BACKOFF_SECONDS = 0.001
 _STAY_SECONDS = 0.1
 _TURN_POLL = 0.05
+IO_FLOW_POLL_SECONDS = 0.0002
+"""After a receive that returned messages, the I/O thread polls the inbox this long
+before it blocks (0: never; never either with ``busy_poll`` 0)."""
 LONG_TURN_SECONDS = 0.01
 """A turn this old wakes the I/O thread when it ends; meanwhile that thread sleeps."""
 SERVING_TURN_SECONDS = 0.01
@@ -106,6 +113,8 @@ class InboxTurns:
         self.closed = False  # the agent stopped: the lock stays taken for good
         self.serving_turns = 0  # turns taken by pool threads after serving (statistics)
         self.io_wakes = 0  # times wake_io_by woke the I/O thread early (statistics)
+        self.io_flow_polls = 0  # I/O thread receives that polled first (statistics)
+        self._io_flowing = False  # the I/O thread's last receive returned messages
         self._claiming = False  # the holder is a pool thread that runs the next request
         self._claimed: tuple[Any, ...] | None = None
 
@@ -156,7 +165,6 @@ class InboxTurns:
 
     def run_io_loop(self, agent: Agent) -> None:
         self._io_ident = threading.get_ident()
-        receive = agent._transport.receive
         arrivals = select.poll()  # the inbox's notification fd: readable when messages may wait
         arrivals.register(agent._transport.inbox_fd, select.POLLIN)
         backed_off = False
@@ -193,8 +201,7 @@ class InboxTurns:
                 try:
                     self._io_receiving, self._io_wakes_at = True, float("inf")
                     wait = 0.0 if self.probing else seconds_to_timed_work(agent)
-                    self._io_wakes_at = time.monotonic() + wait
-                    for message in receive(wait):
+                    for message in self._io_receive(agent, wait):
                         agent._on_message(message)
                 finally:
                     self._io_receiving, self._io_wakes_at = False, 0.0
@@ -204,6 +211,26 @@ class InboxTurns:
                 run_timed_work(agent)
             except BaseException:  # noqa: BLE001 - the loop must survive anything
                 _log.exception("%s: error in the I/O loop", agent.name)
+
+    def _io_receive(self, agent: Agent, wait: float) -> list[list[Any]]:
+        """The I/O thread's receive (up to ``wait`` seconds), holding the inbox.
+
+        In a flow of messages (the last receive returned some) it polls for
+        :data:`IO_FLOW_POLL_SECONDS` first, yielding between polls even to this
+        worker's own threads: a peer sending to a sleeping reader pays a system call
+        that wakes this core (``transport/_ring.py``), half of its calls in a
+        pipelined burst without the poll. An idle worker polls once after its last
+        message, then blocks.
+        """
+        now = time.monotonic()
+        self._io_wakes_at = now + wait
+        busy_until = 0.0
+        if self._io_flowing and agent.options.busy_poll > 0 and IO_FLOW_POLL_SECONDS > 0:
+            busy_until = now + IO_FLOW_POLL_SECONDS
+            self.io_flow_polls += 1
+        messages = agent._transport.receive(wait, busy_until, False)
+        self._io_flowing = bool(messages)
+        return messages
 
     def wake_io_by(self, when: float, wake_receive: Callable[[], None]) -> None:
         """Make the I/O thread run its timed work by monotonic time ``when``.

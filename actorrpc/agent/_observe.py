@@ -176,6 +176,7 @@ def worker_snapshot(agent: Agent) -> dict[str, Any]:
         "busy_poll_hits": agent._transport.busy_poll_hits,
         "busy_poll_misses": agent._transport.busy_poll_misses,
         "busy_poll_contended": agent._transport.busy_poll_contended,  # misses: core shared
+        "io_flow_polls": agent.inbox.io_flow_polls,  # I/O thread receives that polled first
         # same-host rings: peers whose ring this worker reads, links sending through one,
         # messages received through rings
         "rings": {

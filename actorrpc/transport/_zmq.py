@@ -406,7 +406,9 @@ class Transport:
         """Messages that came through peers' rings."""
         return self._ring_inbox.messages_in
 
-    def receive(self, timeout: float, busy_until: float = 0.0) -> list[list[Any]]:
+    def receive(
+        self, timeout: float, busy_until: float = 0.0, watch_contention: bool = True
+    ) -> list[list[Any]]:
         """Wait up to ``timeout`` seconds and return the messages that arrived.
 
         One thread at a time calls this (see the module docstring). Each
@@ -420,14 +422,16 @@ class Transport:
         slower (its caches went cold), and the system call that wakes a blocked
         thread costs more than a poll. When the core is shared with another
         process's busy thread (a yield gave it away for long), polls stop for a
-        while (20 ms, doubling up to 1 s while that goes on).
+        while (20 ms, doubling up to 1 s while that goes on), unless
+        ``watch_contention`` is False (a poller whose yields go to this process's
+        own threads: the I/O thread in a flow of messages).
         """
         inbox = self._inbox
         if busy_until:
             began = _monotonic()
             until = min(busy_until, began + timeout)  # the poll is part of the timeout
-            if began < until and began >= self._no_poll_until:
-                if self._poll_busily(until):
+            if began < until and (began >= self._no_poll_until or not watch_contention):
+                if self._poll_busily(until, watch_contention):
                     self.busy_poll_hits += 1
                     self._contended_pause = _MIN_CONTENDED_PAUSE_SECONDS
                 else:
@@ -515,7 +519,7 @@ class Transport:
                 return messages
         return messages
 
-    def _poll_busily(self, until: float) -> bool:
+    def _poll_busily(self, until: float, watch_contention: bool = True) -> bool:
         """Poll the inbox and rings until ``until``, yielding between polls; whether a
         message waits."""
         inbox = self._inbox
@@ -527,7 +531,7 @@ class Transport:
             if now >= until:
                 return False
             _sched_yield()
-            if _monotonic() - now > _LONG_YIELD_SECONDS:
+            if watch_contention and _monotonic() - now > _LONG_YIELD_SECONDS:
                 pause = self._contended_pause
                 self._no_poll_until = now + pause
                 self._contended_pause = min(2 * pause, _MAX_CONTENDED_PAUSE_SECONDS)
