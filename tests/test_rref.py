@@ -85,6 +85,11 @@ def local_tracked_rref(key: str) -> rpc.RRef[Tracked]:
     return rpc.RRef(make_tracked(key))
 
 
+def owner_rrefs_drop_to(count: int, timeout: float) -> bool:
+    """On the owner: wait (polling) until it holds at most ``count`` owner RRefs."""
+    return wait_until(lambda: debug_info()["num_owner_rrefs"] <= count, timeout)
+
+
 def debug_info() -> dict[str, int]:
     import gc
 
@@ -1295,6 +1300,25 @@ def test_user_deletes_ride_on_the_next_message_to_the_owner(cluster, monkeypatch
     high = agent.riders.carried, agent.riders.sent_alone
     assert low[0] <= notifications["carried"] <= high[0]
     assert low[1] <= notifications["sent_alone"] <= high[1]
+
+
+def test_a_delete_riding_on_a_call_that_waits_for_it_is_still_applied(cluster, monkeypatch):
+    """A delete riding on a request is handled after that request, or by the owner's I/O
+    thread within DEFERRED_RIDER_DELAY if the request takes longer: a call that waits for
+    the delete it carries sees it applied."""
+    from actorrpc.agent import _riders, current_agent
+
+    monkeypatch.setattr(_riders, "RIDER_DELAY", 60.0)  # the delete rides on the next call
+    agent = current_agent()
+    before = rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"]
+    rref = rpc.remote("worker1", torch.add, args=(torch.ones(1), 1))
+    assert rref.to_here().item() == 2.0
+    carried = agent.riders.carried
+    del rref
+    owner = agent.resolve("worker1").id
+    assert wait_until(lambda: agent.riders._queued.get(owner), WAIT)  # queued, not sent
+    assert rpc.rpc_sync("worker1", owner_rrefs_drop_to, args=(before, 10.0))
+    assert agent.riders.carried > carried
 
 
 def test_queued_deletes_are_sent_alone_when_no_message_follows(cluster):

@@ -172,6 +172,26 @@ def test_a_busy_poll_that_finds_nothing_blocks_as_usual(
     assert time.monotonic() - started < 10.0 and receiver.busy_poll_misses == 2
 
 
+def test_a_poll_that_does_not_watch_contention_leaves_the_turns_statistics_alone(pair) -> None:
+    """The I/O thread's polls (``watch_contention=False``) neither count as the turns'
+    hits and misses nor reset the turns' contention pause."""
+    sender, receiver = pair
+    link = sender.link(b"1:receiver", receiver.endpoint)
+    link.send([b"H" * 20, b"warm-up"])
+    assert len(_receive(receiver, 1)) == 1
+    receiver._contended_pause = 0.64
+    hits, misses = receiver.busy_poll_hits, receiver.busy_poll_misses
+    link.send([b"H" * 20, b"polled"])
+    messages: list[Any] = []
+    deadline = time.monotonic() + 10.0
+    while not messages and time.monotonic() < deadline:
+        messages = receiver.receive(0.05, time.monotonic() + 0.0002, False)
+    assert messages
+    assert receiver.receive(0.01, time.monotonic() + 0.0002, False) == []  # a miss
+    assert (receiver.busy_poll_hits, receiver.busy_poll_misses) == (hits, misses)
+    assert receiver._contended_pause == 0.64
+
+
 def test_a_yield_that_gives_the_core_away_stops_polling_for_a_while(
     pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:

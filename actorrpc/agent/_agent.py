@@ -57,6 +57,7 @@ from ._calls import (
     compose_reply_transforms,
 )
 from ._deadlines import Deadlines
+from ._deferred_riders import DeferredRiderQueue
 from ._dispatch import MessageDispatcher
 from ._dynamic_group import DynamicRendezvous, handle_membership, join_dynamic_group
 from ._futures import CallResult, Completion, Future
@@ -171,6 +172,7 @@ class Agent(MessageDispatcher):
         self.extensions: dict[str, Any] = {}
         self.inbox = InboxTurns()
         self.riders = Riders(self)
+        self.deferred_riders = DeferredRiderQueue()
         self.held = HeldRequests(self, options.hold_remote_calls)
         self._soon: queue.SimpleQueue[tuple[Callable[..., Any], Any]] = queue.SimpleQueue()
         self.stats = WorkerStats()

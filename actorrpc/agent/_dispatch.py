@@ -58,6 +58,7 @@ from ._calls import (
     outcome_of,
     run_user_function,
 )
+from ._deferred_riders import DeferredRiderQueue, DeferredRiders
 from ._futures import CallResult, complete
 from ._remote_exception import pack_exception, rebuild_exception
 from ._riders import MAX_RIDING_REPLY
@@ -120,6 +121,7 @@ class MessageDispatcher:
     _serving: dict[tuple[int, int], tuple[MessageKind, Any, float]]
     _pool: WorkerPool
     riders: Riders
+    deferred_riders: DeferredRiderQueue
     _last_warning: float
     _suppressed_warnings: int
     shared: SharedBuffers
@@ -130,6 +132,9 @@ class MessageDispatcher:
         raise NotImplementedError
 
     def _take_pending(self, message_id: int) -> PendingCall | None:
+        raise NotImplementedError
+
+    def wake_inbox(self) -> None:
         raise NotImplementedError
 
     def notify_soon(self, rank: int, kind: MessageKind, payload: Any) -> None:
@@ -238,7 +243,7 @@ class MessageDispatcher:
         message_id: int,
         parts: list[Any],
         entry: HandlerEntry,
-        later: list[tuple[MessageKind, Any]] | tuple[()] = (),
+        later: DeferredRiders | None = None,
     ) -> None:
         """Serve one request, then the notifications that rode on it to be handled after it."""
         try:
@@ -285,8 +290,8 @@ class MessageDispatcher:
                 self.tracer.served(sender.id, message_id, what, nbytes, started, outcome_name)
             self._finish_request(sender.id, message_id, outcome)
         finally:
-            if later:
-                self._serve_riders(sender.id, later)
+            if later is not None:
+                self.serve_deferred(later)
 
     def _handle_call(self, request: IncomingRequest) -> Any:
         func, args, kwargs, meta = request.payload[:4]
@@ -352,7 +357,7 @@ class MessageDispatcher:
             len(frames[0]) if len(frames) == 1 else sum(len(f) for f in frames)
         )
         is_response = header.kind in RESPONSE_KINDS
-        later: list[tuple[MessageKind, Any]] = []  # riders handled after the request (rare)
+        later: list[tuple[MessageKind, Any]] = []  # riders handled after the request
         try:
             if header.flags & FLAG_INLINE_PAYLOAD and len(frames) > 1:
                 raise ProtocolError("a message with an inline payload carries more frames")
@@ -366,7 +371,8 @@ class MessageDispatcher:
                 # thread: after it
                 carrier = None if is_response or not header.message_id else (
                     self._handlers.get(header.kind))
-                defer = carrier is not None and not carrier.inline and RIDERS_AFTER_CARRIER
+                defer = (carrier is not None and not carrier.inline and RIDERS_AFTER_CARRIER
+                         and not self.tracer.enabled)  # (traced: each is recorded as served)
                 for kind, rider_id, body in riders:
                     if rider_id:  # a reply (see _riders)
                         self._on_response(kind, header.sender, rider_id, [body])
@@ -376,7 +382,7 @@ class MessageDispatcher:
                         self._on_riding_notification(kind, header.sender, body)
             parts = self.shared.incoming(header, frames)
         except ProtocolError as error:
-            self._serve_riders(header.sender, later)
+            self._serve_riders(header.sender, later)  # (the request is refused)
             pending = self._pending.get(header.message_id)
             if is_response and pending is not None and pending.dest.id == header.sender:
                 self._fail_pending(header.message_id, error)
@@ -390,6 +396,22 @@ class MessageDispatcher:
         else:
             self._on_request(header.kind, header.sender, header.message_id, parts, later)
 
+    def serve_deferred(self, deferred: DeferredRiders) -> None:
+        """Handle notifications deferred past their carrier (once, see ``_deferred_riders``),
+        with the sender known when they arrived."""
+        sender = deferred.sender
+        for kind, body in deferred.take():
+            entry = self._handlers[kind]  # (``after_carrier`` handlers: they were registered)
+            try:
+                entry.handler(IncomingRequest(kind, sender, 0, loads(body)))
+            except Exception as exc:  # noqa: BLE001 - as any failed notification
+                self._notification_failed(sender.id, exc)
+
+    def serve_due_riders(self, now: float) -> None:
+        """The I/O thread's timed work: deferred notifications whose carrier took too long."""
+        for deferred in self.deferred_riders.due(now):
+            self.serve_deferred(deferred)
+
     def _after_carrier(self, kind: MessageKind) -> bool:
         entry = self._handlers.get(kind)
         return entry is not None and entry.after_carrier
@@ -400,13 +422,13 @@ class MessageDispatcher:
             self._on_riding_notification(kind, sender_rank, body)
 
     def _on_request(self, kind: MessageKind, sender_rank: int, message_id: int,
-                    parts: list[Any], later: list[tuple[MessageKind, Any]] | None = None) -> None:
+                    parts: list[Any], riders: list[tuple[MessageKind, Any]] | None = None) -> None:
         """A request (``message_id`` 0: a notification) to its handler, inline or on the pool.
 
-        ``later``: notifications that rode on it, handled once it was served (or now,
-        if it is not served).
+        ``riders``: ``after_carrier`` notifications that rode on it, handled once it was
+        served or after ``DEFERRED_RIDER_DELAY`` (now, if it is not served).
         """
-        later = later or []
+        later = riders or []
         entry = self._handlers.get(kind)
         if entry is None:
             self._serve_riders(sender_rank, later)
@@ -428,10 +450,15 @@ class MessageDispatcher:
             if message_id:
                 self._unstarted[sender_rank] = self._unstarted.get(sender_rank, 0) + 1
         self.stats.requests_served[sender_rank] += 1
-        if entry.inline:
-            self._serve(kind, sender, message_id, parts, entry, later)
+        deferred = None
+        if later:
+            deferred = self.deferred_riders.add(sender, later)
+            # (no system call when the I/O thread looks by then anyway, as it usually does)
+            self.inbox.wake_io_by(deferred.due, self.wake_inbox)
+        if entry.inline:  # (never with riders to defer: only a thread's requests carry them)
+            self._serve(kind, sender, message_id, parts, entry, deferred)
             return
-        request = (kind, sender, message_id, parts, entry, later)
+        request = (kind, sender, message_id, parts, entry, deferred)
         # kept for the pool thread receiving it, unless older work waits in the pool's queue
         if self._pool.has_queued() or not self.inbox.claim(request):
             self._pool.submit(self._serve_on_pool, [request])

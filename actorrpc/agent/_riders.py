@@ -23,7 +23,8 @@ Invariants:
   if they had been sent on their own when queued), except those of kinds
   registered ``after_carrier`` (an RRef delete, a context release: they only let
   something go) riding on a request that a thread serves: right after that
-  request, so its reply does not wait for them.
+  request (or once ``DEFERRED_RIDER_DELAY`` passed, if it takes longer), so its
+  reply does not wait for them (``_deferred_riders``).
 * ``MEMBERSHIP`` messages carry none (they are read before the sender is known).
 
 Replies ride too (:meth:`Riders.add_reply`): a pool thread that answers one of

@@ -18,7 +18,8 @@ _MAX_POLL = 0.05
 
 def run_timed_work(agent: Agent) -> None:
     """Held requests that are due, queued work, deadlines, liveness, pool growth,
-    notifications that waited, the scheduling policy of libzmq's threads."""
+    notifications that waited (to leave, or to be handled after a request that took
+    long), the scheduling policy of libzmq's threads."""
     agent.held.release_if_due(time.monotonic())
     while not agent._soon.empty():
         fn, args = agent._soon.get_nowait()
@@ -27,6 +28,7 @@ def run_timed_work(agent: Agent) -> None:
     agent.liveness.check()
     agent._pool.maintain()
     agent.riders.flush()
+    agent.serve_due_riders(time.monotonic())
     agent.batch_scheduling.check()
 
 
@@ -37,6 +39,9 @@ def seconds_to_timed_work(agent: Agent) -> float:
     riders_due = agent.riders.seconds_to_due(now)
     if riders_due is not None:
         limit = min(limit, max(0.0, riders_due))
+    deferred_due = agent.deferred_riders.seconds_to_due(now)
+    if deferred_due is not None:
+        limit = min(limit, max(0.0, deferred_due))
     held_due = agent.held.seconds_to_due(now)
     if held_due is not None:
         limit = min(limit, held_due)

@@ -53,10 +53,11 @@ and passes the notification on to its own known workers (idempotent, so it
 terminates). As in torch, nobody waits for a cleanup: the notification rides on
 the next message to that worker (the next iteration's first RPC, typically) or
 leaves alone within ``RIDER_DELAY``, so leaving a context costs no message of
-its own and no reply. A receiver handles it right after serving the request that
-carried it (before any other carrier), so that request's reply does not wait for
-the graph to be freed; torch orders nothing here (its cleanup is a message of its
-own, served concurrently with others).
+its own and no reply. Riding on a request that a thread serves, it is handled right
+after that request (or by the I/O thread once ``DEFERRED_RIDER_DELAY`` passed, if the
+request takes longer), so the request's reply does not wait for the graph to be
+freed; riding on anything else, before it. torch orders nothing here (its cleanup
+is a message of its own, served concurrently with others).
 """
 
 from __future__ import annotations
@@ -423,12 +424,15 @@ class AutogradEngine:
         """Wait until no other worker holds a context this worker created and has left.
 
         Cleanups are notifications nobody acknowledges, so this asks every worker
-        (the question carries this worker's queued releases) until none holds one.
+        until none holds one; the releases still queued here leave first, on messages
+        of their own (riding on the question, a release would be handled only after it
+        was answered).
         """
         deadline = time.monotonic() + timeout
         return wait_until(lambda: not self._left_contexts_held_elsewhere(deadline), deadline)
 
     def _left_contexts_held_elsewhere(self, deadline: float) -> set[int]:
+        self.agent.riders.flush(everything=True)
         mine, limit = self.agent.rank, max(0.1, deadline - time.monotonic())
         peers = [info for info in self.agent.worker_infos() if info.id != mine]
         asked = [self.agent.call(info, held_context_ids, (mine,), {}, limit) for info in peers]

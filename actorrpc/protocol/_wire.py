@@ -132,7 +132,8 @@ more entries, each as ``!BQI`` (kind, message id, payload length) followed by
 that many payload bytes. The receiver handles them in order, before the message
 that carried them (even when that message itself is refused); notifications that
 only let something go (``RREF_USER_DELETE``, ``AUTOGRAD_CLEANUP``) riding on a
-request served on a thread may instead be handled right after that request. They may ride on
+request served on a thread may instead be handled right after that request (within a
+few milliseconds if it takes longer). They may ride on
 every kind but ``MEMBERSHIP``. An entry is either a notification
 (``RREF_USER_DELETE``, ``AUTOGRAD_CLEANUP``, ``SHM_RELEASE`` or
 ``REPLY_UNDECODED``; message id 0; its pickled payload) or a ``RESPONSE`` (the

@@ -431,12 +431,15 @@ class Transport:
             began = _monotonic()
             until = min(busy_until, began + timeout)  # the poll is part of the timeout
             if began < until and (began >= self._no_poll_until or not watch_contention):
-                if self._poll_busily(until, watch_contention):
-                    self.busy_poll_hits += 1
-                    self._contended_pause = _MIN_CONTENDED_PAUSE_SECONDS
-                else:
-                    self.busy_poll_misses += 1
+                found = self._poll_busily(until, watch_contention)
+                if not found:
                     timeout = max(0.0, timeout - (_monotonic() - began))
+                if watch_contention:  # (the turns' statistics and contention pauses)
+                    if found:
+                        self.busy_poll_hits += 1
+                        self._contended_pause = _MIN_CONTENDED_PAUSE_SECONDS
+                    else:
+                        self.busy_poll_misses += 1
         messages: list[list[Any]] = []
         if self._ring_inbox.doorbell is not None:  # peers' rings too
             return self._receive_with_rings(messages, timeout)
