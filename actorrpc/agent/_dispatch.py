@@ -401,11 +401,7 @@ class MessageDispatcher:
         with the sender known when they arrived."""
         sender = deferred.sender
         for kind, body in deferred.take():
-            entry = self._handlers[kind]  # (``after_carrier`` handlers: they were registered)
-            try:
-                entry.handler(IncomingRequest(kind, sender, 0, loads(body)))
-            except Exception as exc:  # noqa: BLE001 - as any failed notification
-                self._notification_failed(sender.id, exc)
+            self._on_riding_notification(kind, sender.id, body, sender)
 
     def serve_due_riders(self, now: float) -> None:
         """The I/O thread's timed work: deferred notifications whose carrier took too long."""
@@ -464,17 +460,19 @@ class MessageDispatcher:
             self._pool.submit(self._serve_on_pool, [request])
             self.inbox.hand_off()  # the I/O thread lets that thread take the next turn
 
-    def _on_riding_notification(self, kind: MessageKind, sender_rank: int, body: Any) -> None:
+    def _on_riding_notification(self, kind: MessageKind, sender_rank: int, body: Any,
+                                sender: WorkerInfo | None = None) -> None:
         """A notification that rode on another message, served here and now.
 
         Every kind that may ride has an inline handler, and its payload was pickled
         with plain :func:`pickle.dumps` (``Riders.encode``): so it skips the request
         path's bookkeeping (unpickling context, counts of requests in flight, the
         reply-riding policy), which cost more than the handler itself. Traced
-        workers take the request path, which records the notification.
+        workers take the request path, which records the notification. ``sender``:
+        the sender as known when the message arrived (else looked up now).
         """
         entry = self._handlers.get(kind)
-        sender = self._infos.get(sender_rank)
+        sender = sender or self._infos.get(sender_rank)
         if entry is None or not entry.inline or sender is None or self.tracer.enabled:
             self._on_request(kind, sender_rank, 0, [body])
             return

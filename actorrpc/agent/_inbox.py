@@ -225,7 +225,8 @@ class InboxTurns:
         now = time.monotonic()
         self._io_wakes_at = now + wait
         busy_until = 0.0
-        if self._io_flowing and agent.options.busy_poll > 0 and IO_FLOW_POLL_SECONDS > 0:
+        if (self._io_flowing and wait > 0 and agent.options.busy_poll > 0
+                and IO_FLOW_POLL_SECONDS > 0):  # (a probe, wait 0, never polls)
             busy_until = now + IO_FLOW_POLL_SECONDS
             self.io_flow_polls += 1
         messages = agent._transport.receive(wait, busy_until, False)
