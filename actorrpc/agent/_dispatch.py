@@ -412,7 +412,9 @@ class MessageDispatcher:
         entry = self._handlers.get(kind)
         return entry is not None and entry.after_carrier
 
-    def _serve_riders(self, sender_rank: int, riders: list[tuple[MessageKind, Any]]) -> None:
+    def _serve_riders(
+        self, sender_rank: int, riders: list[tuple[MessageKind, Any]] | tuple[()]
+    ) -> None:
         """Handle notifications that rode on a message, in order (see ``_on_message``)."""
         for kind, body in riders:
             self._on_riding_notification(kind, sender_rank, body)
@@ -424,7 +426,7 @@ class MessageDispatcher:
         ``riders``: ``after_carrier`` notifications that rode on it, handled once it was
         served or after ``DEFERRED_RIDER_DELAY`` (now, if it is not served).
         """
-        later = riders or []
+        later = riders or ()  # (no new list per request)
         entry = self._handlers.get(kind)
         if entry is None:
             self._serve_riders(sender_rank, later)
@@ -448,7 +450,7 @@ class MessageDispatcher:
         self.stats.requests_served[sender_rank] += 1
         deferred = None
         if later:
-            deferred = self.deferred_riders.add(sender, later)
+            deferred = self.deferred_riders.add(sender, list(later))
             # (no system call when the I/O thread looks by then anyway, as it usually does)
             self.inbox.wake_io_by(deferred.due, self.wake_inbox)
         if entry.inline:  # (never with riders to defer: only a thread's requests carry them)
