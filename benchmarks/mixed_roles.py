@@ -6,17 +6,17 @@ waits while its own thread computes between its own synchronous calls.
 
 Two spawned processes. Rank 0 is a client: it calls ``rpc_sync(worker1, tiny)`` in a
 loop and computes (a busy loop holding the GIL) for 0.5-3 ms between its calls.
-Rank 1 calls ``rpc_sync(worker0, tiny)`` at random moments (1-10 ms apart, also
-computing between calls) and reports the latency of those calls: median, p90, p99.
-A request reaches rank 0 while its main thread either waits for its own reply
-(actorrpc: the waiter's turn on the inbox receives it) or computes (nobody receives
-on actorrpc's inbox until the I/O thread's back-off, ``agent/_inbox.py``
-``BACKOFF_SECONDS``, ends or the next turn begins; then the handler needs the GIL,
-which the computing thread gives up every ``sys.getswitchinterval()`` seconds).
-``--backoff`` runs actorrpc once per value of ``BACKOFF_SECONDS`` (same-run
-comparison of the trade-off: a longer back-off measured 3-10 % faster in the
-benchmark loops of ``ab_switch.py``, and slower here). Figures are in
-docs/performance.md.
+Rank 1 calls ``rpc_sync(worker0, tiny)`` at random moments (computing 1-10 ms after
+each reply) and reports the latency of those calls: median, p90, p99. A request
+reaches rank 0 while its main thread either waits for its own reply (actorrpc: the
+waiter's turn on the inbox receives it) or computes (then actorrpc's inbox is read by
+a pool thread still in its serving turn after the previous request, or by nobody
+until the I/O thread's back-off, ``agent/_inbox.py`` ``BACKOFF_SECONDS``, ends or the
+next turn begins; the handler then needs the GIL, which the computing thread gives up
+every ``sys.getswitchinterval()`` seconds). ``--backoff`` runs actorrpc once per value
+of ``BACKOFF_SECONDS`` (same-run comparison of the trade-off: a 4 ms back-off measured
+1-11 % faster than 1 ms in most of ``ab_switch.py``'s benchmark loops, and slower
+here). Figures are in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -96,10 +96,16 @@ def main() -> None:
     for name, backoff in runs:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
         results = context.Queue()
-        mp.start_processes(_worker,
-                           args=(name, backoff, free_port(), args.seconds, args.pin, results),
-                           nprocs=2, start_method="spawn")
-        r = results.get(timeout=60)
+        processes = mp.start_processes(
+            _worker, args=(name, backoff, free_port(), args.seconds, args.pin, results),
+            nprocs=2, join=False, start_method="spawn")
+        r = results.get(timeout=args.seconds + 120)  # (raises queue.Empty on a hang)
+        deadline = time.monotonic() + 60
+        while not processes.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in processes.processes:
+                    process.kill()
+                raise TimeoutError(f"{name}: the workers did not exit within 60 s")
         label = f"{name} (back-off {backoff * 1e3:g} ms)" if backoff else name
         print(f"{label:24s} {r['n']:6d} {r['median_us']:6.0f}us {r['p90_us']:6.0f}us "
               f"{r['p99_us']:6.0f}us")
