@@ -151,7 +151,10 @@ def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool,
         _report("callee", peer_before, peer_after, n)
         if profiler is not None:
             order = os.environ.get("PROFILE_SORT", "cumulative")
-            pstats.Stats(profiler).sort_stats(order).print_stats(40)
+            stats = pstats.Stats(profiler).sort_stats(order)
+            stats.print_stats(40)
+            if os.environ.get("PROFILE_CALLERS"):  # who calls the functions matching it
+                stats.print_callers(os.environ["PROFILE_CALLERS"])
     rpc.shutdown()
 
 

@@ -226,3 +226,74 @@ def test_a_yield_that_gives_the_core_away_stops_polling_for_a_while(
     sender.link(b"1:receiver", receiver.endpoint).send([b"H" * 20, b"x"])
     assert len(_receive(receiver, 1, busy=True)) == 1
     assert receiver._contended_pause == 30.0  # back to the minimum
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_the_inbox_socket_is_asked_only_when_its_fd_signals(
+    pair, monkeypatch: pytest.MonkeyPatch, gated: bool
+) -> None:
+    from actorrpc.transport import _zmq
+
+    sender, receiver = pair
+    monkeypatch.setattr(_zmq, "_FD_GATED_EVENTS", gated)
+    monkeypatch.setattr(_zmq, "_SEND_THROUGH_RINGS", False)  # every message by socket
+    link = sender.link(b"1:receiver", receiver.endpoint)
+    link.send([b"H" * 20, b"warm-up"])  # the connection is up
+    assert len(_receive(receiver, 1)) == 1
+    asked: list[int] = []
+    real_get = _zmq._socket_get
+
+    def counting_get(socket: Any, option: int) -> Any:
+        if socket is receiver._inbox:
+            asked.append(option)
+        return real_get(socket, option)
+
+    monkeypatch.setattr(_zmq, "_socket_get", counting_get)
+    assert receiver._socket_has_message() is False  # asked once: nothing there
+    before = len(asked)
+    for _ in range(5):
+        assert receiver._socket_has_message() is False
+    # gated: the answer stands until the FD signals; ungated: asked every time
+    assert len(asked) - before == (0 if gated else 5)
+    link.send([b"H" * 20, b"later"])
+    # the message signals the FD: the next look asks, and finds it
+    assert wait_until(receiver._socket_has_message, 10)
+    messages = _receive(receiver, 1)
+    assert [bytes(m[2].buffer) for m in messages] == [b"later"]  # type: ignore[attr-defined]
+    assert receiver._socket_has_message() is False
+
+
+def test_bursts_from_many_threads_all_arrive_through_busy_polls(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every look at the socket goes through the FD gate here (short busy polls, receives
+    # that never block for long): a lost FD signal would leave messages behind
+    from actorrpc.transport import _zmq
+
+    monkeypatch.setattr(_zmq, "_SEND_THROUGH_RINGS", False)  # every message by socket
+    sender, receiver = pair
+    link = sender.link(b"1:receiver", receiver.endpoint)
+    per_thread, threads = 400, 4
+    lock = threading.Lock()
+
+    def send_bursts(tag: int) -> None:
+        for i in range(per_thread):
+            with lock:  # (one link: its socket is used by one thread at a time)
+                link.send([b"H" * 20, b"%d:%d" % (tag, i)])
+            if i % 50 == 49:
+                time.sleep(0.001)  # a gap between bursts (not a synchronisation)
+
+    workers = [threading.Thread(target=send_bursts, args=(t,)) for t in range(threads)]
+    for worker in workers:
+        worker.start()
+    received: list[bytes] = []
+    deadline = time.monotonic() + 30
+    while len(received) < per_thread * threads and time.monotonic() < deadline:
+        for message in receiver.receive(0.002, time.monotonic() + 0.001):
+            received.append(bytes(message[2].buffer))  # type: ignore[attr-defined]
+    for worker in workers:
+        worker.join(10)
+    assert len(received) == per_thread * threads
+    for tag in range(threads):  # each thread's messages in its order
+        mine = [r for r in received if r.startswith(b"%d:" % tag)]
+        assert mine == [b"%d:%d" % (tag, i) for i in range(per_thread)]

@@ -25,6 +25,7 @@ import hashlib
 import itertools
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Sequence
@@ -45,6 +46,9 @@ _USER = "actorrpc"
 _RECV_BATCH = 256
 _WAKE_ID = b"!wake"  # agent identities start with a rank digit
 _CONTROL = b"!"  # transport control messages start with it (``_ring_inbox``)
+# False: ask ZMQ_EVENTS on every look at the inbox socket, not only when its FD signals
+# (see ``Transport._socket_has_message``): a same-run A/B switch
+_FD_GATED_EVENTS = True
 # False: links whose ring is in use send every message as a spill, by socket (in order
 # with the ring all the same): a same-run A/B switch (benchmarks/ab_switch.py)
 _SEND_THROUGH_RINGS = True
@@ -300,6 +304,14 @@ class Transport:
         self._contended_pause = _MIN_CONTENDED_PAUSE_SECONDS
         # readable when the inbox may hold messages (ZMQ_FD); any thread may poll it
         self.inbox_fd = int(self._inbox.getsockopt(zmq.FD))
+        self._inbox_fd_poll: Any = None  # (no select.poll, e.g. Windows: never gated)
+        if hasattr(select, "poll"):
+            self._inbox_fd_poll = select.poll()
+            self._inbox_fd_poll.register(self.inbox_fd, select.POLLIN)
+        # True while the inbox's FD may not signal a message the socket holds: since
+        # the last ZMQ_EVENTS that found none, another socket operation ran (it may
+        # have taken the FD's signal) or messages were left in it
+        self._socket_unsure = True
 
     def io_thread_ids(self, timeout: float = 1.0) -> list[int]:
         """Native ids of libzmq's I/O threads of this transport (``[]`` if unnamed).
@@ -447,6 +459,7 @@ class Transport:
         if timeout_ms != self._timeout_ms:
             inbox.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._timeout_ms = timeout_ms
+        self._socket_unsure = True  # (a receive, even one that finds nothing)
         try:
             frame = _socket_recv(inbox, 0, False)
         except zmq.Again:
@@ -476,7 +489,8 @@ class Transport:
                         if reader is not None:
                             reader.socket_seen += 1
                     messages.append(message)
-            if count == _RECV_BATCH or not int(_socket_get(inbox, _EVENTS)) & _POLLIN:
+            self._socket_unsure = True  # (the receives took the FD's signal)
+            if count == _RECV_BATCH or not self._socket_has_message():
                 break
             frame = _socket_recv(inbox, 0, False)
 
@@ -486,6 +500,7 @@ class Transport:
         answer = self._ring_inbox.on_control(message, messages)
         if not answer:
             return
+        self._socket_unsure = True  # (a send processes the socket's commands too)
         try:
             self._inbox.send_multipart([identity, *answer], _NOBLOCK)
         except zmq.ZMQError as exc:  # the connection went meanwhile
@@ -499,7 +514,7 @@ class Transport:
         doorbell = rings.doorbell
         assert doorbell is not None
         for attempt in range(2):
-            if int(_socket_get(inbox, _EVENTS)) & _POLLIN:
+            if self._socket_has_message():
                 try:
                     self._take_batch(_socket_recv(inbox, _NOBLOCK, False), messages)
                 except zmq.Again:
@@ -516,6 +531,7 @@ class Transport:
                 rings.read(messages)
                 if not messages:
                     _zmq_poll([(inbox, _POLLIN), (doorbell.fd, _POLLIN)], int(timeout * 1000))
+                    self._socket_unsure = True  # (it asked ZMQ_EVENTS itself)
             finally:
                 rings.wake_up(told)
             if messages:
@@ -525,9 +541,9 @@ class Transport:
     def _poll_busily(self, until: float, watch_contention: bool = True) -> bool:
         """Poll the inbox and rings until ``until``, yielding between polls; whether a
         message waits."""
-        inbox = self._inbox
         rings_ready = self._ring_inbox.any_ready if self._ring_inbox.snapshot else None
-        while not int(_socket_get(inbox, _EVENTS)) & _POLLIN:
+        socket_has_message = self._socket_has_message
+        while not socket_has_message():
             if rings_ready is not None and rings_ready():
                 return True
             now = _monotonic()
@@ -541,6 +557,21 @@ class Transport:
                 self.busy_poll_contended += 1
                 return False
         return True
+
+    def _socket_has_message(self) -> bool:
+        """Whether the inbox socket holds a message (``ZMQ_EVENTS``, ~3 µs: a system call).
+
+        Once it found none, each message that arrives signals the inbox's FD (a reader
+        that found its pipe empty is sent a command), so the answer stands until the FD
+        is readable (a 1 µs poll), unless another socket operation ran since (it may
+        have taken the signal) or messages were left (``_socket_unsure``).
+        """
+        if not self._socket_unsure and not self._inbox_fd_poll.poll(0):
+            return False
+        has_message = bool(int(_socket_get(self._inbox, _EVENTS)) & _POLLIN)
+        # (a True answer: its messages are about to be received, which takes the signal)
+        self._socket_unsure = has_message or not _FD_GATED_EVENTS or self._inbox_fd_poll is None
+        return has_message
 
     def wake(self) -> None:
         """Make a :meth:`receive` in progress return now (callable from any thread)."""
