@@ -312,6 +312,42 @@ def test_a_blocked_receiver_wakes_for_a_ring_message(
     assert [bytes(m[2].buffer) for m in result[0]] == [b"wake up"]  # type: ignore[attr-defined]
 
 
+def test_a_socket_message_ends_a_blocked_receive_of_a_ring_reader_every_time(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the blocking poll asks ZMQ_EVENTS itself (taking the inbox FD's signal): the socket
+    # must be asked again after it, not trusted to signal (transport._socket_has_message)
+    from actorrpc.transport import _zmq
+
+    sender, receiver = pair
+    link = _switched(sender, receiver)
+    monkeypatch.setattr(_zmq, "_SEND_THROUGH_RINGS", False)  # by socket from now on
+    real_poll = _zmq._zmq_poll
+
+    def receive_while_sending(payload: bytes) -> list[list[object]]:
+        """A receive that blocks in the poll, and ``payload`` sent by socket meanwhile."""
+        blocking = threading.Event()
+        result: list[list[list[object]]] = []
+        thread = threading.Thread(target=lambda: result.append(receiver.receive(30.0)))
+
+        def poll(*args: object) -> object:
+            if threading.current_thread() is thread:
+                blocking.set()
+            return real_poll(*args)
+
+        monkeypatch.setattr(_zmq, "_zmq_poll", poll)
+        thread.start()
+        assert blocking.wait(10)
+        link.send([b"AR-header", payload])
+        thread.join(10)
+        assert not thread.is_alive()
+        return result[0] or receiver.receive(0.5)  # (or with the next receive)
+
+    for i in range(20):
+        messages = receive_while_sending(b"%d" % i)
+        assert [bytes(m[2].buffer) for m in messages] == [b"%d" % i]  # type: ignore[attr-defined]
+
+
 def test_a_receiver_that_does_not_block_costs_its_writers_no_doorbell(pair) -> None:
     sender, receiver = pair
     link = _switched(sender, receiver)

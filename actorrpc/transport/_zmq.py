@@ -530,8 +530,8 @@ class Transport:
                 doorbell.drain()
                 rings.read(messages)
                 if not messages:
+                    self._socket_unsure = True  # (it asks ZMQ_EVENTS itself)
                     _zmq_poll([(inbox, _POLLIN), (doorbell.fd, _POLLIN)], int(timeout * 1000))
-                    self._socket_unsure = True  # (it asked ZMQ_EVENTS itself)
             finally:
                 rings.wake_up(told)
             if messages:
@@ -568,9 +568,10 @@ class Transport:
         """
         if not self._socket_unsure and not self._inbox_fd_poll.poll(0):
             return False
+        self._socket_unsure = True  # (until it answered: it takes the signal, and may raise)
         has_message = bool(int(_socket_get(self._inbox, _EVENTS)) & _POLLIN)
-        # (a True answer: its messages are about to be received, which takes the signal)
-        self._socket_unsure = has_message or not _FD_GATED_EVENTS or self._inbox_fd_poll is None
+        if not has_message and _FD_GATED_EVENTS and self._inbox_fd_poll is not None:
+            self._socket_unsure = False  # (a yes: its messages are about to be received)
         return has_message
 
     def wake(self) -> None:
