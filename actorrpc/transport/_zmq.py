@@ -308,9 +308,8 @@ class Transport:
         if hasattr(select, "poll"):
             self._inbox_fd_poll = select.poll()
             self._inbox_fd_poll.register(self.inbox_fd, select.POLLIN)
-        # True while the inbox's FD may not signal a message the socket holds: since
-        # the last ZMQ_EVENTS that found none, another socket operation ran (it may
-        # have taken the FD's signal) or messages were left in it
+        # True while the inbox's FD may not signal a message the socket holds (see
+        # ``_socket_has_message``)
         self._socket_unsure = True
 
     def io_thread_ids(self, timeout: float = 1.0) -> list[int]:
@@ -489,7 +488,7 @@ class Transport:
                         if reader is not None:
                             reader.socket_seen += 1
                     messages.append(message)
-            self._socket_unsure = True  # (the receives took the FD's signal)
+            # (``_socket_unsure`` is True here: set before the first receive, kept by a "yes")
             if count == _RECV_BATCH or not self._socket_has_message():
                 break
             frame = _socket_recv(inbox, 0, False)
@@ -570,8 +569,10 @@ class Transport:
             return False
         self._socket_unsure = True  # (until it answered: it takes the signal, and may raise)
         has_message = bool(int(_socket_get(self._inbox, _EVENTS)) & _POLLIN)
+        # a "no" stands until the FD signals; after a "yes" its messages are about to be
+        # received (which takes the signal), so the socket stays unsure
         if not has_message and _FD_GATED_EVENTS and self._inbox_fd_poll is not None:
-            self._socket_unsure = False  # (a yes: its messages are about to be received)
+            self._socket_unsure = False
         return has_message
 
     def wake(self) -> None:
