@@ -275,13 +275,14 @@ def test_bursts_from_many_threads_all_arrive_through_busy_polls(
     link = sender.link(b"1:receiver", receiver.endpoint)
     per_thread, threads = 400, 4
     lock = threading.Lock()
+    received_per_tag = [0] * threads
 
     def send_bursts(tag: int) -> None:
         for i in range(per_thread):
             with lock:  # (one link: its socket is used by one thread at a time)
                 link.send([b"H" * 20, b"%d:%d" % (tag, i)])
-            if i % 50 == 49:
-                time.sleep(0.001)  # a gap between bursts (not a synchronisation)
+            if i % 50 == 49:  # the receiver has this burst before the next: it finds none
+                wait_until(lambda i=i: received_per_tag[tag] > i, 20)  # type: ignore[misc]
 
     workers = [threading.Thread(target=send_bursts, args=(t,)) for t in range(threads)]
     for worker in workers:
@@ -290,7 +291,9 @@ def test_bursts_from_many_threads_all_arrive_through_busy_polls(
     deadline = time.monotonic() + 30
     while len(received) < per_thread * threads and time.monotonic() < deadline:
         for message in receiver.receive(0.002, time.monotonic() + 0.001):
-            received.append(bytes(message[2].buffer))  # type: ignore[attr-defined]
+            payload = bytes(message[2].buffer)  # type: ignore[attr-defined]
+            received.append(payload)
+            received_per_tag[int(payload.split(b":")[0])] += 1
     for worker in workers:
         worker.join(10)
     assert len(received) == per_thread * threads
