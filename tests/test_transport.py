@@ -282,7 +282,7 @@ def test_bursts_from_many_threads_all_arrive_through_busy_polls(
             with lock:  # (one link: its socket is used by one thread at a time)
                 link.send([b"H" * 20, b"%d:%d" % (tag, i)])
             if i % 50 == 49:  # the receiver has this burst before the next: it finds none
-                wait_until(lambda i=i: received_per_tag[tag] > i, 20)  # type: ignore[misc]
+                wait_until(lambda i=i: received_per_tag[tag] > i, 20)
 
     workers = [threading.Thread(target=send_bursts, args=(t,)) for t in range(threads)]
     for worker in workers:
