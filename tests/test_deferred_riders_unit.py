@@ -42,7 +42,7 @@ def test_threads_racing_for_deferred_riders_get_them_once() -> None:
     start = threading.Barrier(4)
 
     def take() -> None:
-        start.wait()
+        start.wait(10)
         got.append(list(deferred.take()))
 
     threads = [threading.Thread(target=take) for _ in range(4)]

@@ -70,6 +70,8 @@ class DeferredRiderQueue:
     def due(self, now: float) -> list[DeferredRiders]:
         """Those whose time is up (and forgets those already handled)."""
         found: list[DeferredRiders] = []
+        if not self._waiting:  # (the I/O thread asks at every wake-up; usually none waits)
+            return found
         with self._lock:
             waiting = self._waiting
             while waiting and (waiting[0].taken() or waiting[0].due <= now):

@@ -357,7 +357,7 @@ class MessageDispatcher:
             len(frames[0]) if len(frames) == 1 else sum(len(f) for f in frames)
         )
         is_response = header.kind in RESPONSE_KINDS
-        later: list[tuple[MessageKind, Any]] = []  # riders handled after the request
+        later: list[tuple[MessageKind, Any]] | None = None  # riders handled after the request
         try:
             if header.flags & FLAG_INLINE_PAYLOAD and len(frames) > 1:
                 raise ProtocolError("a message with an inline payload carries more frames")
@@ -377,12 +377,14 @@ class MessageDispatcher:
                     if rider_id:  # a reply (see _riders)
                         self._on_response(kind, header.sender, rider_id, [body])
                     elif defer and self._after_carrier(kind):
+                        if later is None:
+                            later = []
                         later.append((kind, body))
                     else:
                         self._on_riding_notification(kind, header.sender, body)
             parts = self.shared.incoming(header, frames)
         except ProtocolError as error:
-            self._serve_riders(header.sender, later)  # (the request is refused)
+            self._serve_riders(header.sender, later or ())  # (the request is refused)
             pending = self._pending.get(header.message_id)
             if is_response and pending is not None and pending.dest.id == header.sender:
                 self._fail_pending(header.message_id, error)
@@ -426,7 +428,7 @@ class MessageDispatcher:
         ``riders``: ``after_carrier`` notifications that rode on it, handled once it was
         served or after ``DEFERRED_RIDER_DELAY`` (now, if it is not served).
         """
-        later = riders or ()  # (no new list per request)
+        later = riders or ()
         entry = self._handlers.get(kind)
         if entry is None:
             self._serve_riders(sender_rank, later)
@@ -449,8 +451,8 @@ class MessageDispatcher:
                 self._unstarted[sender_rank] = self._unstarted.get(sender_rank, 0) + 1
         self.stats.requests_served[sender_rank] += 1
         deferred = None
-        if later:
-            deferred = self.deferred_riders.add(sender, list(later))
+        if riders:  # (the list made for this message: kept, not copied)
+            deferred = self.deferred_riders.add(sender, riders)
             # (no system call when the I/O thread looks by then anyway, as it usually does)
             self.inbox.wake_io_by(deferred.due, self.wake_inbox)
         if entry.inline:  # (never with riders to defer: only a thread's requests carry them)
