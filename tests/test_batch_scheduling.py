@@ -178,6 +178,58 @@ def test_disabled_scheduling_never_touches_the_threads() -> None:
     assert scheduling.policy == "off" and threads.batch == {} and scheduling.tids == []
 
 
+def test_a_thread_added_later_joins_the_current_policy_and_its_waits_count_from_then() -> None:
+    threads = _Threads()
+    scheduling = threads.scheduling()
+    threads.waits[13] = [5_000_000, 40]  # the agent's I/O thread: waits before it joined
+    scheduling.add(13)
+    assert scheduling.tids == [11, 12, 13] and threads.batch == {11: True, 12: True, 13: True}
+    threads.wake(100, wait_us=10, tids=[13])  # judged on its own, the others quiet
+    threads.check(scheduling)
+    assert scheduling.policy == "batch"  # 10 µs per wake-up since it joined (not 5 ms / 40)
+    threads.wake(100, wait_us=900, tids=[13])
+    threads.check(scheduling)
+    assert scheduling.policy == "default" and threads.batch[13] is False
+
+
+def test_a_thread_added_while_batch_lost_waits_for_the_retry() -> None:
+    threads = _Threads()
+    scheduling = threads.scheduling()
+    threads.wake(100, wait_us=900)
+    threads.check(scheduling)
+    assert scheduling.policy == "default"
+    threads.waits[13] = [0, 1]
+    scheduling.add(13)
+    assert threads.batch[13] is False
+    assert threads.seconds_until_batch_again(scheduling) > 0 and threads.batch[13] is True
+
+
+def test_an_added_thread_is_the_first_watched_when_no_other_was_found() -> None:
+    threads = _Threads(tids=(13,))
+    scheduling = BatchScheduling([], True, threads.read_waits, threads.set_policy,
+                                 clock=lambda: threads.now, cpu_clock=lambda: threads.cpu)
+    assert scheduling.policy == "unavailable"
+    scheduling.add(13)
+    assert scheduling.policy == "batch" and scheduling.tids == [13] and threads.batch == {13: True}
+
+
+def test_no_thread_is_added_when_scheduling_is_off_refused_or_unwatchable() -> None:
+    threads = _Threads()
+    threads.waits[13] = [0, 1]
+    off = threads.scheduling(enabled=False)
+    off.add(13)
+    assert off.policy == "off" and off.tids == [] and threads.batch == {}
+    threads.refuse = True
+    refused = threads.scheduling()
+    threads.refuse = False  # even if a later change would be allowed: nothing is touched
+    refused.add(13)
+    assert refused.policy == "unavailable" and refused.tids == [] and threads.batch == {}
+    unwatchable = threads.scheduling()
+    threads.waits[14] = [0, 0]  # schedstat counts nothing for it
+    unwatchable.add(14)
+    assert unwatchable.tids == [11, 12, 13] and 14 not in threads.batch
+
+
 # -- real threads -----------------------------------------------------------------------------
 
 
@@ -262,4 +314,29 @@ def test_a_workers_io_threads_run_batch_by_default(cluster: list[str]) -> None:
     stats = rpc.rpc_sync("worker1", rpc.get_worker_stats)
     scheduling = stats["batch_scheduling"]
     assert scheduling["policy"] in ("batch", "default")  # default: it fell back under load
-    assert scheduling["threads"] == 1  # libzmq's one I/O thread
+    assert scheduling["threads"] == 2  # libzmq's one I/O thread and the agent's
+    # the I/O thread follows the watched policy (read between two equal descriptions: the
+    # guard may switch at any moment)
+    agreed: list[tuple[str, int]] = []
+
+    def read_agreeing() -> bool:
+        before, policy, after = rpc.rpc_sync("worker1", _agent_io_thread_policy)
+        if before == after:
+            agreed.append((before, policy))
+        return bool(agreed)
+
+    assert wait_until(read_agreeing, 20)
+    described, policy = agreed[0]
+    assert policy == (os.SCHED_BATCH if described == "batch" else os.SCHED_OTHER)
+
+
+def _agent_io_thread_policy() -> tuple[str, int, str]:
+    """The watched policy, the scheduling policy of this worker's agent I/O thread, and the
+    watched policy again (run on a worker)."""
+    import threading
+
+    (thread,) = [t for t in threading.enumerate() if t.name.startswith("actorrpc-io-")]
+    assert thread.native_id is not None
+    before = rpc.get_worker_stats()["batch_scheduling"]["policy"]
+    policy = os.sched_getscheduler(thread.native_id)
+    return before, policy, rpc.get_worker_stats()["batch_scheduling"]["policy"]

@@ -557,6 +557,8 @@ class Agent(MessageDispatcher):
 
     def _io_loop(self) -> None:
         self.io_thread_ident = threading.get_ident()
+        # its wake-ups while other threads compute must not preempt them (_batch_scheduling)
+        self.batch_scheduling.add(threading.get_native_id())
         self.inbox.run_io_loop(self)
 
     # -- shutdown -------------------------------------------------------------------------------

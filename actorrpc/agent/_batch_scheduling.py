@@ -1,4 +1,4 @@
-"""``SCHED_BATCH`` for libzmq's I/O threads, while it is faster.
+"""``SCHED_BATCH`` for the I/O threads (libzmq's and the agent's own), while it is faster.
 
 libzmq moves every message through an I/O thread of its own. Under Linux's
 default policy, waking that thread (a message to send, bytes that arrived)
@@ -8,6 +8,18 @@ preemption only costs time: on these VMs ~20 µs per message, ~35 % of an
 ``rpc_sync`` (docs/performance.md, eleventh session). A ``SCHED_BATCH`` thread
 that wakes does not preempt; it runs when the running thread yields (the poll's
 ``sched_yield``), blocks or uses up its time slice.
+
+The agent's own I/O thread (``agent/_inbox.py``) wakes every back-off period
+while another thread takes turns on the inbox, and for its timed work. Under the
+default policy each of those wake-ups preempted the thread that computes (a
+caller between an RPC's reply and its next request: ~2.5 wake-ups per
+distributed-autograd iteration), which then ran on cold caches; while that thread
+held the GIL the woken one could not even run Python. As a batch thread it runs
+when the computing thread yields or blocks: same-run A/Bs of an autograd
+iteration -15.5 %, -10.7 % and -3.0 % (11, 11 and 8 of 12 block pairs better), and
+a call reaching a worker that computes between its own calls (``mixed_roles.py``)
+1.0 ms at the median instead of 1.7 (docs/performance.md, twentieth session).
+It joins the watched threads when it starts (:meth:`BatchScheduling.add`).
 
 The price comes when a thread that never yields shares the core: a batch
 thread then waits for that thread's time slice to end, up to ~1 ms per
@@ -26,8 +38,11 @@ Invariants:
 
 * Only the threads handed in are touched: libzmq's I/O threads of this
   worker's own context (found by name, ``Transport.io_thread_ids``), which live
-  as long as its transport (the agent stops checking before closing it). One
-  found gone by a policy switch is dropped.
+  as long as its transport (the agent stops checking before closing it), and
+  the agent's I/O thread, which adds itself. One found gone by a policy switch
+  is dropped.
+* Only one thread changes the state: the agent's I/O thread (``add`` when it
+  starts, ``check`` in its timed work); ``describe`` may be read from any thread.
 * A refused policy change (a sandbox without ``sched_setscheduler``) leaves
   the threads as they are and turns the watching off; nothing raises.
 * Threads whose waits cannot be read (no ``schedstat``, or it counts nothing)
@@ -55,7 +70,14 @@ __all__ = [
 ]
 
 CHECK_INTERVAL = 0.1
-MAX_BATCH_WAIT = 50e-6  # mean run-queue wait per wake-up above which batch loses
+MAX_BATCH_WAIT = 200e-6
+"""Mean run-queue wait per wake-up above which batch loses (while others took the core).
+
+Behind a CPU hog on its core a batch thread waits ~1 ms per wake-up; libzmq's threads
+alone wait 4-5 µs. The agent's I/O thread waits behind the threads it must not
+preempt, 40-170 µs per wake-up in an autograd loop (pinned and not): with a 50 µs
+limit the guard gave batch up in windows where the process used a little less than
+:data:`SELF_BUSY`, and the loop ran 10-20 % slower."""
 MIN_WAKEUPS = 20  # wake-ups a check needs before it judges
 SELF_BUSY = 0.75  # CPUs this process used per second above which the waits are its own
 MIN_BACKOFF = 1.0
@@ -89,8 +111,8 @@ def _set_policy(tid: int, batch: bool) -> None:
 class BatchScheduling:
     """Keeps a set of threads under ``SCHED_BATCH`` while that is faster (module docstring).
 
-    Only the thread that calls ``check()`` (the agent's housekeeping) changes its
-    state, so it needs no lock; ``describe()`` may be read from any thread.
+    Only the thread that calls ``check()`` and ``add()`` (the agent's I/O thread)
+    changes its state, so it needs no lock; ``describe()`` may be read from any thread.
     ``check()`` is cheap between intervals (one clock comparison).
     """
 
@@ -114,6 +136,7 @@ class BatchScheduling:
         self._retry_at = 0.0
         self._next_check = 0.0
         self._last: _Waits = {}
+        self._refused = False  # the system refused a policy change: nothing is touched
         if not enabled:
             self.policy = OFF
             return
@@ -143,9 +166,26 @@ class BatchScheduling:
             return False
         except OSError:
             self.policy = UNAVAILABLE  # not allowed here: leave the threads be
+            self._refused = True
             self._tids.clear()
             return False
         return True
+
+    def add(self, tid: int) -> None:
+        """Put thread ``tid`` (started after this was made) under the current policy and
+        watch it with the others; nothing when scheduling is off or was refused, or when
+        its waits cannot be read. Called by the thread that calls :meth:`check`."""
+        if self.policy == OFF or self._refused or not hasattr(os, "SCHED_BATCH"):
+            return
+        reading = self._read_waits([tid]).get(tid, (0, 0))
+        if reading[1] == 0:
+            return  # unwatchable: never under an unguarded batch
+        if self.policy == UNAVAILABLE:  # no libzmq thread was found: the first one to watch
+            self.policy = BATCH
+            self._start_window()
+        if self._apply(tid, self.policy == BATCH):
+            self._tids.append(tid)
+            self._last[tid] = reading  # its waits count from now, in the current window
 
     def _switch(self, batch: bool) -> None:
         for tid in list(self._tids):

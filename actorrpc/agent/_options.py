@@ -98,11 +98,13 @@ class ZmqRpcBackendOptions:
             (cold caches): polling through a short round trip keeps it warm.
             Costs at most this much CPU per wait that lasts longer. The default
             (1 ms) comes from ``ACTORRPC_BUSY_POLL`` when it is set.
-        batch_scheduling: run libzmq's I/O threads under Linux's ``SCHED_BATCH``
-            policy while that is faster: a message handed to them, or arriving
-            for them, then waits for the running thread (usually this worker's
-            own, busy-polling) to yield its core instead of preempting it,
-            which costs ~20 µs per message on these VMs. When they wait too
+        batch_scheduling: run the I/O threads (libzmq's and the agent's own)
+            under Linux's ``SCHED_BATCH`` policy while that is faster: a message
+            handed to them, or arriving for them, or the agent's periodic look at
+            the inbox, then waits for the running thread (usually this worker's
+            own, busy-polling or computing) to yield its core instead of
+            preempting it, which costs ~20 µs per message on these VMs and cold
+            caches for the preempted thread. When they wait too
             long instead (a thread that never yields shares their core), they
             go back to the default policy and retry later
             (``agent._batch_scheduling``). Default on;
