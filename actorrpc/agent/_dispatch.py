@@ -11,11 +11,7 @@ Invariants:
   dropped before anything in it is unpickled.
 * Every request is answered exactly once: RESPONSE with the handler's result or
   EXCEPTION with the error (including errors while unpickling or replying).
-* A reply settles the pending call it answers once; a late reply is dropped. A
-  late reply to a call this worker gave up on (timed out, peer found dead) is
-  unpickled first, so that RRefs forked into it are rebuilt and released as usual
-  (else their owners would keep them for good); a reply to a call never made is
-  never unpickled.
+* Replies settle their pending calls (``_replies``, a base class of this one).
 * A request that cannot be unpickled (or is refused before) is answered with an
   EXCEPTION naming the RRef forks rebuilt before the failure (none if refused);
   the sender then undoes the forks it made for that request but those, as if it
@@ -44,7 +40,7 @@ from ..protocol import (
     decode_header,
     decode_riders,
 )
-from ..serialization import PickleTarget, dumps, loads, unpickling_from
+from ..serialization import dumps, loads, unpickling_from
 from ._calls import (
     CallHook,
     CallRecord,
@@ -52,22 +48,20 @@ from ._calls import (
     Failure,
     HandlerEntry,
     IncomingRequest,
-    PendingCall,
-    RecentEntries,
     encode_reply,
     outcome_of,
     run_user_function,
 )
 from ._deferred_riders import DeferredRiderQueue, DeferredRiders
-from ._futures import CallResult, complete
-from ._remote_exception import pack_exception, rebuild_exception
+from ._futures import CallResult
+from ._remote_exception import pack_exception
+from ._replies import ReplySettling
 from ._riders import MAX_RIDING_REPLY
 from ._worker_info import WorkerInfo
 
 if TYPE_CHECKING:
-    from ._inbox import InboxTurns
     from ._liveness import LivenessMonitor
-    from ._observe import Tracer, WorkerStats
+    from ._observe import WorkerStats
     from ._pool import WorkerPool
     from ._rendezvous import GroupMember
     from ._riders import Riders
@@ -80,12 +74,6 @@ _log = logging.getLogger("actorrpc.agent")
 # (False: before it, as every other rider; a switch for same-run A/Bs, ab_switch.py)
 RIDERS_AFTER_CARRIER = True
 _WARN_INTERVAL = 5.0
-# replies a user may wait for (control replies, such as remote()'s creation ack or a
-# cleanup's, arrive after what is waited for and must not keep the I/O thread on the inbox)
-_AWAITED_KINDS = frozenset({
-    MessageKind.CALL, MessageKind.RREF_FETCH, MessageKind.REMOTE_CALL_FETCH,
-    MessageKind.AUTOGRAD_BACKWARD,
-})
 _CALL_KINDS = frozenset(
     {MessageKind.CALL, MessageKind.REMOTE_CALL, MessageKind.REMOTE_CALL_FETCH}
 )
@@ -98,21 +86,16 @@ def _request_name(kind: MessageKind, payload: Any) -> str:
     return kind.name
 
 
-class MessageDispatcher:
+class MessageDispatcher(ReplySettling):
     """Incoming messages: requests to handlers (inline or on the pool), replies to futures."""
 
     name: str
     rank: int
     info: WorkerInfo
     liveness: LivenessMonitor
-    inbox: InboxTurns
     stats: WorkerStats
-    tracer: Tracer
     _handlers: dict[MessageKind, HandlerEntry]
     _hooks: list[CallHook]
-    _pending: dict[int, PendingCall]
-    _late_replies: RecentEntries[int, tuple[int, PickleTarget | None]]
-    _replies_with_forks: RecentEntries[tuple[int, int], PickleTarget]
     _members: dict[int, GroupMember]
     _infos: dict[int, WorkerInfo]
     _inflight: int
@@ -131,13 +114,7 @@ class MessageDispatcher:
     ) -> None:
         raise NotImplementedError
 
-    def _take_pending(self, message_id: int) -> PendingCall | None:
-        raise NotImplementedError
-
     def wake_inbox(self) -> None:
-        raise NotImplementedError
-
-    def notify_soon(self, rank: int, kind: MessageKind, payload: Any) -> None:
         raise NotImplementedError
 
     def _on_membership(self, identity: bytes, header: Header, frames: list[Any]) -> None:
@@ -508,111 +485,3 @@ class MessageDispatcher:
             next_request = self.inbox.serving_turn(self)  # type: ignore[arg-type]
             if next_request is not None:
                 self._pool.started_outside()
-
-    def _fail_pending(self, message_id: int, error: BaseException) -> None:
-        pending = self._give_up(message_id)
-        if pending is not None:
-            complete(pending.future, error=error)
-
-    def _give_up(self, message_id: int) -> PendingCall | None:
-        """Take a pending call that fails before its reply came; remember whom it went to
-        (the last few thousand), so that its reply, if it still comes, can be settled."""
-        pending = self._take_pending(message_id)
-        if pending is not None:
-            self._late_replies.remember(message_id, (pending.dest.id, pending.undo))
-        return pending
-
-    def _settle_late_reply(
-        self, kind: MessageKind, sender: int, message_id: int, parts: list[Any]
-    ) -> None:
-        """Unpickle and drop the late reply to a call given up on: RRefs in it are rebuilt
-        (so their forks are accepted, then deleted) instead of leaking on their owners, and
-        an EXCEPTION saying the request could not be unpickled undoes the request's forks."""
-        late = self._late_replies.take(message_id)
-        if late is None or late[0] != sender:
-            return  # a reply to a call never made (or long forgotten): never unpickled
-        undo = late[1]
-        if kind == MessageKind.EXCEPTION and undo is None:
-            return  # an error, and nothing to undo
-        try:
-            value = self._unpickle_reply(kind, sender, message_id, parts)
-        except DeserializationError as exc:
-            self.warn(f"dropped a late reply from rank {sender} that cannot be unpickled: {exc}")
-            return
-        if kind == MessageKind.EXCEPTION and undo is not None:
-            self._error_of_reply(value, undo)
-
-    def _unpickle_reply(
-        self, kind: MessageKind, sender: int, message_id: int, parts: list[Any]
-    ) -> Any:
-        """A reply's value. A RESPONSE that cannot be unpickled raises, after telling its
-        sender (REPLY_UNDECODED, naming the forks rebuilt) so that it undoes the others."""
-        with unpickling_from(sender) as source:
-            try:
-                return loads(parts[0], parts[1:])
-            except DeserializationError:
-                if kind == MessageKind.RESPONSE:
-                    self.notify_soon(sender, MessageKind.REPLY_UNDECODED,
-                                     (message_id, tuple(source.taken_over)))
-                raise
-
-    def _handle_reply_undecoded(self, request: IncomingRequest) -> None:
-        """A caller could not unpickle this worker's reply: undo the reply's other forks."""
-        payload = request.payload
-        if not (isinstance(payload, tuple) and len(payload) == 2
-                and isinstance(payload[0], int) and isinstance(payload[1], tuple)):
-            raise ProtocolError("REPLY_UNDECODED carries (message id, fork ids)")
-        target = self._replies_with_forks.take((request.sender.id, payload[0]))
-        if target is not None:
-            target.abort(frozenset(payload[1]))
-
-    @staticmethod
-    def _error_of_reply(value: Any, undo: PickleTarget | None) -> BaseException:
-        """The error an EXCEPTION reply's payload describes. When it says the request could
-        not be unpickled, ``undo`` is run but for what the receiver took over."""
-        if not (isinstance(value, tuple) and len(value) == 5):
-            return ProtocolError(f"an error reply holds {type(value).__name__}, not 5 fields")
-        undecoded = value[4]
-        if undo is not None and isinstance(undecoded, tuple):
-            undo.abort(frozenset(undecoded))
-        return rebuild_exception(value[:4])
-
-    def _on_response(
-        self, kind: MessageKind, sender: int, message_id: int, parts: list[Any]
-    ) -> None:
-        pending = self._pending.get(message_id)
-        if pending is None:  # a late reply to a call that timed out, or failed otherwise
-            self._settle_late_reply(kind, sender, message_id, parts)
-            return
-        if pending.dest.id != sender:
-            self.warn(f"dropped a reply from rank {sender} to a call made to {pending.dest!r}")
-            return
-        if self._take_pending(message_id) is None:  # it expired meanwhile (another thread)
-            self._settle_late_reply(kind, sender, message_id, parts)
-            return
-        if self.inbox.probing and pending.kind in _AWAITED_KINDS:
-            self.inbox.stay()  # someone may be waiting for it without taking turns
-        if self.tracer.enabled:
-            outcome = "error" if kind == MessageKind.EXCEPTION else "ok"
-            self.tracer.call_done(message_id, sum(memoryview(p).nbytes for p in parts), outcome)
-        try:
-            value = self._unpickle_reply(kind, sender, message_id, parts)
-        except DeserializationError as exc:
-            error = DeserializationError(
-                f"the reply to {pending.description or 'a call'} from {pending.dest!r}: {exc}"
-            )
-            if pending.on_undecodable is not None and kind == MessageKind.RESPONSE:
-                complete(pending.future, pending.on_undecodable(error))
-            else:
-                complete(pending.future, error=error)
-            return
-        if kind == MessageKind.EXCEPTION:
-            complete(pending.future, error=self._error_of_reply(value, pending.undo))
-            return
-        try:
-            if pending.on_result is not None:
-                value = pending.on_result(value)
-        except BaseException as exc:  # noqa: BLE001
-            complete(pending.future, error=exc)
-            return
-        complete(pending.future, value)
