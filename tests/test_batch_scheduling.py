@@ -1,17 +1,20 @@
-"""SCHED_BATCH for libzmq's I/O threads, and the fallback when it loses."""
+"""SCHED_BATCH for the I/O threads (libzmq's and the agent's), and the fallback when it loses."""
 
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
+import threading
 from collections.abc import Iterable
 
 import pytest
 
 import actorrpc as rpc
 from actorrpc.agent import _batch_scheduling as sched
-from actorrpc.agent._batch_scheduling import BatchScheduling
+from actorrpc.agent._batch_scheduling import BatchScheduling, undo_inherited_batch
+from actorrpc.agent._pool import WorkerPool
 from actorrpc.transport import Transport
 
 from ._waiting import wait_until
@@ -31,6 +34,7 @@ class _Threads:
         self.waits = {tid: [0, 1] for tid in tids}  # each ran once (it named itself)
         self.batch: dict[int, bool] = {}
         self.refuse = False
+        self.refuse_tids: set[int] = set()  # refused for these threads only
         self.now = 100.0
         self.cpu = 0.0
         self.cpu_share = 0.2  # CPUs this process uses: little, the rest is someone else's
@@ -44,7 +48,7 @@ class _Threads:
         return {t: (self.waits[t][0], self.waits[t][1]) for t in tids if t in self.waits}
 
     def set_policy(self, tid: int, batch: bool) -> None:
-        if self.refuse:
+        if self.refuse or tid in self.refuse_tids:
             raise PermissionError("sched_setscheduler refused")
         if tid not in self.waits:
             raise ProcessLookupError(tid)
@@ -213,6 +217,56 @@ def test_an_added_thread_is_the_first_watched_when_no_other_was_found() -> None:
     assert scheduling.policy == "batch" and scheduling.tids == [13] and threads.batch == {13: True}
 
 
+def test_each_thread_is_judged_on_its_own_waits() -> None:
+    threads = _Threads(tids=(11,))  # libzmq's thread, behind a hog on its core
+    scheduling = threads.scheduling()
+    threads.waits[13] = [0, 1]  # the agent's, on another core, waking far more often
+    scheduling.add(13)
+    threads.wake(20, wait_us=1000, tids=[11])
+    threads.wake(1000, wait_us=5, tids=[13])  # averaged together: ~24 µs per wake-up
+    threads.check(scheduling)
+    assert scheduling.policy == "default" and threads.batch == {11: False, 13: False}
+
+
+def test_each_thread_has_its_own_limit() -> None:
+    threads = _Threads(tids=(11,))
+    scheduling = threads.scheduling()
+    threads.waits[13] = [0, 1]
+    scheduling.add(13)
+    threads.wake(100, wait_us=150, tids=[13])  # behind the threads it must not preempt
+    threads.check(scheduling)
+    assert scheduling.policy == "batch"
+    threads.wake(100, wait_us=150, tids=[11])  # libzmq's thread: over its 50 µs
+    threads.check(scheduling)
+    assert scheduling.policy == "default"
+
+
+def test_a_rarely_woken_thread_is_judged_once_its_wake_ups_add_up() -> None:
+    threads = _Threads(tids=(11,))
+    scheduling = threads.scheduling()
+    threads.waits[13] = [0, 1]
+    scheduling.add(13)
+    for _ in range(sched.MIN_WAKEUPS // 5 - 1):
+        threads.wake(5, wait_us=1000, tids=[11])
+        threads.wake(100, wait_us=5, tids=[13])  # judged (fine) at every check
+        threads.check(scheduling)
+        assert scheduling.policy == "batch"
+    threads.wake(5, wait_us=1000, tids=[11])
+    threads.check(scheduling)
+    assert scheduling.policy == "default"
+
+
+def test_a_refusal_puts_the_threads_already_switched_back() -> None:
+    threads = _Threads()
+    scheduling = threads.scheduling()
+    assert threads.batch == {11: True, 12: True}
+    threads.waits[13] = [0, 1]
+    threads.refuse_tids = {13}
+    scheduling.add(13)
+    assert scheduling.policy == "unavailable" and scheduling.tids == []
+    assert threads.batch == {11: False, 12: False}
+
+
 def test_no_thread_is_added_when_scheduling_is_off_refused_or_unwatchable() -> None:
     threads = _Threads()
     threads.waits[13] = [0, 1]
@@ -259,6 +313,47 @@ def test_a_transport_finds_its_own_io_threads_only() -> None:
         first.close()
         second.close()
         unnamed.close()
+
+
+def _started_by_a_batch_thread(target: object) -> None:
+    """Run ``target`` in a thread started by a thread under SCHED_BATCH; wait for both."""
+
+    def parent() -> None:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        child = threading.Thread(target=target)  # type: ignore[arg-type]
+        child.start()
+        child.join(20)
+
+    thread = threading.Thread(target=parent)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+@needs_batch
+def test_a_thread_started_by_a_batch_thread_gives_the_inherited_policy_up() -> None:
+    seen: dict[str, int] = {}
+
+    def child() -> None:
+        seen["inherited"] = os.sched_getscheduler(0)
+        undo_inherited_batch()
+        seen["after"] = os.sched_getscheduler(0)
+
+    assert os.sched_getscheduler(os.getpid()) == os.SCHED_OTHER  # (the main thread's)
+    _started_by_a_batch_thread(child)
+    assert seen == {"inherited": os.SCHED_BATCH, "after": os.SCHED_OTHER}
+
+
+@needs_batch
+def test_pool_threads_grown_by_a_batch_thread_run_under_the_default_policy() -> None:
+    pool = WorkerPool(2, "batch-test")
+    policies: queue.SimpleQueue[int] = queue.SimpleQueue()
+    # the agent's I/O thread grows the pool when it hands a request over
+    _started_by_a_batch_thread(lambda: pool.submit(lambda: policies.put(os.sched_getscheduler(0))))
+    try:
+        assert policies.get(timeout=20) == os.SCHED_OTHER
+    finally:
+        pool.close()
 
 
 @needs_batch
@@ -316,27 +411,31 @@ def test_a_workers_io_threads_run_batch_by_default(cluster: list[str]) -> None:
     assert scheduling["policy"] in ("batch", "default")  # default: it fell back under load
     assert scheduling["threads"] == 2  # libzmq's one I/O thread and the agent's
     # the I/O thread follows the watched policy (read between two equal descriptions: the
-    # guard may switch at any moment)
-    agreed: list[tuple[str, int]] = []
+    # guard may switch at any moment, setting the threads before it says so); the pool's
+    # threads never run under batch, whoever started them
+    readings: list[tuple[str, int, str, list[int]]] = []
 
-    def read_agreeing() -> bool:
-        before, policy, after = rpc.rpc_sync("worker1", _agent_io_thread_policy)
-        if before == after:
-            agreed.append((before, policy))
-        return bool(agreed)
+    def consistent() -> bool:
+        reading = rpc.rpc_sync("worker1", _agent_thread_policies)
+        readings.append(reading)
+        before, policy, after, pool_policies = reading
+        return (before == after
+                and policy == (os.SCHED_BATCH if before == "batch" else os.SCHED_OTHER))
 
-    assert wait_until(read_agreeing, 20)
-    described, policy = agreed[0]
-    assert policy == (os.SCHED_BATCH if described == "batch" else os.SCHED_OTHER)
+    assert wait_until(consistent, 20), readings[-3:]
+    assert readings[-1][3] and set(readings[-1][3]) == {os.SCHED_OTHER}
 
 
-def _agent_io_thread_policy() -> tuple[str, int, str]:
-    """The watched policy, the scheduling policy of this worker's agent I/O thread, and the
-    watched policy again (run on a worker)."""
+def _agent_thread_policies() -> tuple[str, int, str, list[int]]:
+    """The watched policy, the scheduling policy of this worker's agent I/O thread, the
+    watched policy again, and the policies of its pool's threads (run on a worker)."""
     import threading
 
     (thread,) = [t for t in threading.enumerate() if t.name.startswith("actorrpc-io-")]
     assert thread.native_id is not None
+    pool = [t.native_id for t in threading.enumerate()
+            if t.name.startswith("actorrpc-worker") and t.native_id is not None]
     before = rpc.get_worker_stats()["batch_scheduling"]["policy"]
     policy = os.sched_getscheduler(thread.native_id)
-    return before, policy, rpc.get_worker_stats()["batch_scheduling"]["policy"]
+    after = rpc.get_worker_stats()["batch_scheduling"]["policy"]
+    return before, policy, after, [os.sched_getscheduler(tid) for tid in pool]

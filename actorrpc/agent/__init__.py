@@ -9,6 +9,7 @@ from ._agent import (
     register_agent_plugin,
     set_current_agent,
 )
+from ._batch_scheduling import undo_inherited_batch
 from ._calls import EncodedReply, encode_reply, run_user_function
 from ._futures import CallResult, Future, complete
 from ._options import (
@@ -46,6 +47,7 @@ __all__ = [
     "register_agent_plugin",
     "run_user_function",
     "set_current_agent",
+    "undo_inherited_batch",
     "validate_worker_name",
     "wait_until",
 ]

@@ -28,11 +28,12 @@ the waits are pure loss; when it is this process's own (a loop issuing
 ``rpc_async`` calls, a long computation), they batch its messages, which helps
 throughput. So the policy is watched: every :data:`CHECK_INTERVAL` seconds the
 threads' run-queue waits (``/proc/self/task/<tid>/schedstat``) are read, and
-when their mean wait per wake-up exceeds :data:`MAX_BATCH_WAIT` while this
-process used less than :data:`SELF_BUSY` CPUs (so others took the core) they
-go back to the default policy. They try ``SCHED_BATCH`` again after a back-off
-that starts at :data:`MIN_BACKOFF` and doubles (up to :data:`MAX_BACKOFF`)
-while the trials keep failing.
+when one thread's mean wait per wake-up since it was last judged exceeds its
+limit (:data:`MAX_BATCH_WAIT` for libzmq's, :data:`MAX_AGENT_IO_WAIT` for the
+agent's) while this process used less than :data:`SELF_BUSY` CPUs (so others
+took the core) they all go back to the default policy. They try ``SCHED_BATCH``
+again after a back-off that starts at :data:`MIN_BACKOFF` and doubles (up to
+:data:`MAX_BACKOFF`) while the trials keep failing.
 
 Invariants:
 
@@ -40,11 +41,15 @@ Invariants:
   worker's own context (found by name, ``Transport.io_thread_ids``), which live
   as long as its transport (the agent stops checking before closing it), and
   the agent's I/O thread, which adds itself. One found gone by a policy switch
-  is dropped.
+  is dropped. Threads they start inherit their policy (Linux copies it): the
+  threads the agent starts (its pool's, the RRef timers') give it up first
+  (:func:`undo_inherited_batch`), so nothing runs under batch unwatched but
+  callbacks that the I/O thread itself runs (a future completed there).
 * Only one thread changes the state: the agent's I/O thread (``add`` when it
   starts, ``check`` in its timed work); ``describe`` may be read from any thread.
-* A refused policy change (a sandbox without ``sched_setscheduler``) leaves
-  the threads as they are and turns the watching off; nothing raises.
+* A refused policy change (a sandbox without ``sched_setscheduler``) turns the
+  watching off and puts the threads already switched back, as far as allowed;
+  nothing raises.
 * Threads whose waits cannot be read (no ``schedstat``, or it counts nothing)
   are never put under ``SCHED_BATCH``: unwatched, batch would have no guard.
 """
@@ -60,6 +65,7 @@ __all__ = [
     "CHECK_INTERVAL",
     "DEFAULT",
     "MAX_BACKOFF",
+    "MAX_AGENT_IO_WAIT",
     "MAX_BATCH_WAIT",
     "MIN_BACKOFF",
     "MIN_WAKEUPS",
@@ -67,18 +73,19 @@ __all__ = [
     "OFF",
     "UNAVAILABLE",
     "BatchScheduling",
+    "undo_inherited_batch",
 ]
 
 CHECK_INTERVAL = 0.1
-MAX_BATCH_WAIT = 200e-6
-"""Mean run-queue wait per wake-up above which batch loses (while others took the core).
-
-Behind a CPU hog on its core a batch thread waits ~1 ms per wake-up; libzmq's threads
-alone wait 4-5 µs. The agent's I/O thread waits behind the threads it must not
-preempt, 40-170 µs per wake-up in an autograd loop (pinned and not): with a 50 µs
-limit the guard gave batch up in windows where the process used a little less than
-:data:`SELF_BUSY`, and the loop ran 10-20 % slower."""
-MIN_WAKEUPS = 20  # wake-ups a check needs before it judges
+MAX_BATCH_WAIT = 50e-6
+"""Mean run-queue wait per wake-up above which batch loses for one of libzmq's threads
+(while others took the core): alone they wait 4-5 µs, behind a CPU hog ~1 ms."""
+MAX_AGENT_IO_WAIT = 200e-6
+"""The same limit for the agent's I/O thread, which waits behind the very threads it
+must not preempt: 40-170 µs per wake-up in an autograd loop, pinned and not. With the
+50 µs limit the guard gave batch up in windows where the process used a little less
+than :data:`SELF_BUSY`, and the loop ran 10-20 % slower."""
+MIN_WAKEUPS = 20  # wake-ups of one thread before its waits are judged
 SELF_BUSY = 0.75  # CPUs this process used per second above which the waits are its own
 MIN_BACKOFF = 1.0
 MAX_BACKOFF = 60.0
@@ -89,6 +96,9 @@ OFF = "off"  # not asked for
 UNAVAILABLE = "unavailable"  # asked for, but no thread was found or the system refused
 
 _Waits = dict[int, tuple[int, int]]  # thread id -> (run-queue wait in ns, time slices)
+# where a thread's judged window began: its run-queue wait (ns) and slices, the wall
+# clock and the process's CPU time then
+_Baseline = tuple[int, int, float, float]
 
 
 def _read_waits(tids: Iterable[int]) -> _Waits:
@@ -106,6 +116,27 @@ def _read_waits(tids: Iterable[int]) -> _Waits:
 
 def _set_policy(tid: int, batch: bool) -> None:
     os.sched_setscheduler(tid, os.SCHED_BATCH if batch else os.SCHED_OTHER, os.sched_param(0))
+
+
+def undo_inherited_batch() -> None:
+    """Give the calling thread the main thread's policy if it inherited ``SCHED_BATCH``.
+
+    Linux copies a thread's policy to the threads it starts, so a thread started by
+    a watched batch thread (the pool's, when the agent's I/O thread grows the pool) would
+    run under batch unwatched, and so would what it starts (a user function's threads
+    or processes). Threads the agent starts call this first. A process whose main
+    thread runs under batch itself (``chrt -b``) keeps it.
+    """
+    if not hasattr(os, "SCHED_BATCH"):
+        return
+    try:
+        if os.sched_getscheduler(0) != os.SCHED_BATCH:
+            return
+        main = os.sched_getscheduler(os.getpid())  # (the main thread's id is the pid)
+        if main in (os.SCHED_OTHER, os.SCHED_IDLE):
+            os.sched_setscheduler(0, main, os.sched_param(0))
+    except OSError:
+        pass  # no such system call here, or refused: the thread stays as it is
 
 
 class BatchScheduling:
@@ -130,12 +161,12 @@ class BatchScheduling:
         self._set_policy = set_policy
         self._clock = clock
         self._cpu_clock = cpu_clock
-        self._window_start = (0.0, 0.0)  # (wall, process CPU) when the judged window began
         self._tids: list[int] = []
+        self._limits: dict[int, float] = {}  # each watched thread's MAX_*_WAIT
         self._backoff = MIN_BACKOFF
         self._retry_at = 0.0
         self._next_check = 0.0
-        self._last: _Waits = {}
+        self._baselines: dict[int, _Baseline] = {}
         self._refused = False  # the system refused a policy change: nothing is touched
         if not enabled:
             self.policy = OFF
@@ -148,6 +179,7 @@ class BatchScheduling:
         for tid in watchable:
             if self.policy == BATCH and self._apply(tid, True):
                 self._tids.append(tid)
+                self._limits[tid] = MAX_BATCH_WAIT
         if not self._tids:
             self.policy = UNAVAILABLE  # no thread found, no schedstat, or refused
         self._start_window()
@@ -167,14 +199,20 @@ class BatchScheduling:
         except OSError:
             self.policy = UNAVAILABLE  # not allowed here: leave the threads be
             self._refused = True
-            self._tids.clear()
+            watched, self._tids = self._tids, []
+            for other in watched:  # those already switched go back, as far as allowed
+                try:
+                    self._set_policy(other, False)
+                except OSError:
+                    pass
             return False
         return True
 
-    def add(self, tid: int) -> None:
-        """Put thread ``tid`` (started after this was made) under the current policy and
-        watch it with the others; nothing when scheduling is off or was refused, or when
-        its waits cannot be read. Called by the thread that calls :meth:`check`."""
+    def add(self, tid: int, max_wait: float = MAX_AGENT_IO_WAIT) -> None:
+        """Put thread ``tid`` (started after this was made: the agent's I/O thread) under
+        the current policy and watch it with the others, judged against ``max_wait``;
+        nothing when scheduling is off or was refused, or when its waits cannot be read.
+        Called by the thread that calls :meth:`check`."""
         if self.policy == OFF or self._refused or not hasattr(os, "SCHED_BATCH"):
             return
         reading = self._read_waits([tid]).get(tid, (0, 0))
@@ -185,7 +223,8 @@ class BatchScheduling:
             self._start_window()
         if self._apply(tid, self.policy == BATCH):
             self._tids.append(tid)
-            self._last[tid] = reading  # its waits count from now, in the current window
+            self._limits[tid] = max_wait
+            self._baselines[tid] = (*reading, self._clock(), self._cpu_clock())
 
     def _switch(self, batch: bool) -> None:
         for tid in list(self._tids):
@@ -194,13 +233,20 @@ class BatchScheduling:
             self.policy = BATCH if batch else DEFAULT
 
     def _start_window(self) -> None:
-        self._last = self._read_waits(self.tids)
-        now = self._clock()
-        self._window_start = (now, self._cpu_clock())
+        now, cpu = self._clock(), self._cpu_clock()
+        self._baselines = {
+            tid: (wait_ns, slices, now, cpu)
+            for tid, (wait_ns, slices) in self._read_waits(self.tids).items()
+        }
         self._next_check = now + CHECK_INTERVAL
 
     def check(self) -> None:
-        """Judge the last interval; switch policy when batch loses or a retry is due."""
+        """Judge each thread that woke often enough since its window began; switch policy
+        when batch loses for one of them, or when a retry is due.
+
+        Each thread is judged on its own waits, against its own limit: a thread that
+        wakes rarely behind a hog is not averaged away by one that wakes often elsewhere.
+        """
         now = self._clock()
         if self.policy in (OFF, UNAVAILABLE) or now < self._next_check:
             return
@@ -210,28 +256,31 @@ class BatchScheduling:
                 self._switch(True)
                 self._start_window()
             return
-        current = self._read_waits(self.tids)
-        waited = wakeups = 0
-        for tid, (wait_ns, slices) in current.items():
-            before = self._last.get(tid)
-            if before is not None:
-                waited += wait_ns - before[0]
-                wakeups += slices - before[1]
-        if wakeups < MIN_WAKEUPS:
-            return  # too quiet to judge: keep counting from the same start
-        self._last = current
-        began, cpu_began = self._window_start
         cpu = self._cpu_clock()
-        self._window_start = (now, cpu)
-        if waited / wakeups / 1e9 <= MAX_BATCH_WAIT:
+        judged = lost = False
+        for tid, (wait_ns, slices) in self._read_waits(self.tids).items():
+            baseline = self._baselines.get(tid)
+            if baseline is None:
+                self._baselines[tid] = (wait_ns, slices, now, cpu)
+                continue
+            waited_from, slices_from, began, cpu_began = baseline
+            wakeups = slices - slices_from
+            if wakeups < MIN_WAKEUPS:
+                continue  # too quiet to judge: keep counting from the same start
+            self._baselines[tid] = (wait_ns, slices, now, cpu)
+            judged = True
+            if (wait_ns - waited_from) / wakeups / 1e9 <= self._limits.get(tid, MAX_BATCH_WAIT):
+                continue
+            # unless this process's own threads kept the core (the waits batched its work)
+            if cpu - cpu_began < SELF_BUSY * (now - began):
+                lost = True
+        if lost:
+            self._switch(False)
+            self.fallbacks += 1
+            self._retry_at = now + self._backoff
+            self._backoff = min(2 * self._backoff, MAX_BACKOFF)
+        elif judged:
             self._backoff = MIN_BACKOFF
-            return
-        if cpu - cpu_began >= SELF_BUSY * (now - began):
-            return  # this process's own threads kept the core: the waits batched its messages
-        self._switch(False)
-        self.fallbacks += 1
-        self._retry_at = now + self._backoff
-        self._backoff = min(2 * self._backoff, MAX_BACKOFF)
 
     def describe(self) -> dict[str, object]:
         return {"policy": self.policy, "threads": len(self.tids), "fallbacks": self.fallbacks}

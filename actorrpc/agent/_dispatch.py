@@ -1,9 +1,10 @@
-"""The receiving half of the agent: dispatch of incoming messages, serving, replies.
+"""The receiving half of the agent: dispatch of incoming messages, serving requests and
+answering them (the replies that come back are settled by its base, ``_replies``).
 
 :class:`MessageDispatcher` is a base class of :class:`~actorrpc.agent._agent.Agent`;
 it owns no state of its own (the attributes below are the agent's) and runs on
-the I/O thread (:meth:`_on_message`, :meth:`_on_response`, inline handlers) and
-on pool threads (:meth:`_serve`).
+whichever thread receives (:meth:`_on_message`, inline handlers) and on pool
+threads (:meth:`_serve`).
 
 Invariants:
 

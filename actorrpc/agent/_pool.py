@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._batch_scheduling import undo_inherited_batch
+
 __all__ = ["STALL_SECONDS", "WorkerPool"]
 
 _log = logging.getLogger("actorrpc.agent")
@@ -88,6 +90,7 @@ class WorkerPool:
         return len(self._threads)
 
     def _run(self) -> None:
+        undo_inherited_batch()  # (when the agent's I/O thread started it: user code runs here)
         self._local.member = True
         get = self._queue.get
         while True:

@@ -20,6 +20,7 @@ from ..agent import (
     encode_reply,
     register_agent_plugin,
     run_user_function,
+    undo_inherited_batch,
 )
 from ..agent._remote_exception import pack_exception
 from ..errors import ProtocolError, RpcTimeoutError, ShutdownError
@@ -276,6 +277,7 @@ class _Timers:
             return len(self._heap)
 
     def _run(self) -> None:
+        undo_inherited_batch()  # (started by the agent's I/O thread, perhaps)
         heap = self._heap
         while True:
             with self._cond:
