@@ -275,6 +275,9 @@ def worker_main(args: argparse.Namespace) -> None:
     for thread in threads:
         thread.join()
     calls_done = time.time()
+    # the I/O threads' scheduling policy after the load (and how often its guard fell back)
+    stats = rpc.get_worker_stats()
+    scheduling = {"libzmq": stats["batch_scheduling"], "io": stats["io_thread_scheduling"]}
     shutdown_error = None
     t1 = time.monotonic()
     try:
@@ -322,6 +325,7 @@ def worker_main(args: argparse.Namespace) -> None:
         "rss_samples": sampler.samples,
         "served_from": served_from,
         "duplicates": duplicates,
+        "batch_scheduling": scheduling,
         **merged,
     }
     print("RESULT " + json.dumps(result), flush=True)
@@ -543,6 +547,7 @@ def summarize(
                 "rss_samples": r["rss_samples"],
                 "calls_ok": sum(r["ok"].values()),
                 "served": sum(r["served_from"].values()),
+                "batch_scheduling": r["batch_scheduling"],
             }
             for r in sorted(results, key=lambda r: r["rank"])
         ],
@@ -576,7 +581,10 @@ def print_report(report: dict[str, Any], path: Path) -> None:
         print(
             f"  worker{w['rank']}: max RSS {w['rss_max_mib']:.0f} MiB (after init "
             f"{w['rss_after_init_mib']:.0f} MiB), served {w['served']}, shutdown "
-            f"{w['shutdown_s']:.2f}s{error}"
+            f"{w['shutdown_s']:.2f}s, I/O threads (libzmq's, the agent's) "
+            + ", ".join(f"{s['policy']} ({s['fallbacks']} fallbacks)"
+                        for s in w["batch_scheduling"].values())
+            + error
         )
     for problem in report["problems"]:
         print(f"  PROBLEM: {problem}")

@@ -407,11 +407,11 @@ def test_io_threads_leave_batch_when_a_busy_process_shares_their_core() -> None:
 @needs_batch
 def test_a_workers_io_threads_run_batch_by_default(cluster: list[str]) -> None:
     stats = rpc.rpc_sync("worker1", rpc.get_worker_stats)
-    scheduling = stats["batch_scheduling"]
-    assert scheduling["policy"] in ("batch", "default")  # default: it fell back under load
-    assert scheduling["threads"] == 2  # libzmq's one I/O thread and the agent's
-    # the I/O thread follows the watched policy (read between two equal descriptions: the
-    # guard may switch at any moment, setting the threads before it says so); the pool's
+    for key in ("batch_scheduling", "io_thread_scheduling"):  # libzmq's, the agent's
+        assert stats[key]["policy"] in ("batch", "default")  # default: it fell back under load
+        assert stats[key]["threads"] == 1
+    # the I/O thread follows its watched policy (read between two equal descriptions: the
+    # guard may switch at any moment, setting the thread before it says so); the pool's
     # threads never run under batch, whoever started them
     readings: list[tuple[str, int, str, list[int]]] = []
 
@@ -427,15 +427,15 @@ def test_a_workers_io_threads_run_batch_by_default(cluster: list[str]) -> None:
 
 
 def _agent_thread_policies() -> tuple[str, int, str, list[int]]:
-    """The watched policy, the scheduling policy of this worker's agent I/O thread, the
-    watched policy again, and the policies of its pool's threads (run on a worker)."""
+    """The I/O thread's watched policy, its scheduling policy, its watched policy again,
+    and the policies of the pool's threads (run on a worker)."""
     import threading
 
     (thread,) = [t for t in threading.enumerate() if t.name.startswith("actorrpc-io-")]
     assert thread.native_id is not None
     pool = [t.native_id for t in threading.enumerate()
             if t.name.startswith("actorrpc-worker") and t.native_id is not None]
-    before = rpc.get_worker_stats()["batch_scheduling"]["policy"]
+    before = rpc.get_worker_stats()["io_thread_scheduling"]["policy"]
     policy = os.sched_getscheduler(thread.native_id)
-    after = rpc.get_worker_stats()["batch_scheduling"]["policy"]
+    after = rpc.get_worker_stats()["io_thread_scheduling"]["policy"]
     return before, policy, after, [os.sched_getscheduler(tid) for tid in pool]

@@ -202,9 +202,12 @@ class Agent(MessageDispatcher):
                 name_threads=options.batch_scheduling,
                 rings=options.same_host_rings,
             )
-            self.batch_scheduling = BatchScheduling(
+            self.batch_scheduling = BatchScheduling(  # libzmq's I/O threads
                 self._transport.io_thread_ids(), options.batch_scheduling
             )
+            # the agent's I/O thread, which adds itself: guarded on its own, so that a
+            # fallback of either leaves the other's policy alone
+            self.io_thread_scheduling = BatchScheduling([], options.batch_scheduling)
             self.endpoint = self._transport.endpoint
             self.shared = SharedBuffers(self, options.shared_memory_threshold)
         except BaseException:
@@ -558,7 +561,7 @@ class Agent(MessageDispatcher):
     def _io_loop(self) -> None:
         self.io_thread_ident = threading.get_ident()
         # its wake-ups while other threads compute must not preempt them (_batch_scheduling)
-        self.batch_scheduling.add(threading.get_native_id())
+        self.io_thread_scheduling.add(threading.get_native_id())
         self.inbox.run_io_loop(self)
 
     # -- shutdown -------------------------------------------------------------------------------

@@ -16,10 +16,13 @@ caller between an RPC's reply and its next request: ~2.5 wake-ups per
 distributed-autograd iteration), which then ran on cold caches; while that thread
 held the GIL the woken one could not even run Python. As a batch thread it runs
 when the computing thread yields or blocks: same-run A/Bs of an autograd
-iteration -15.5 %, -10.7 % and -3.0 % (11, 11 and 8 of 12 block pairs better), and
-a call reaching a worker that computes between its own calls (``mixed_roles.py``)
-1.0 ms at the median instead of 1.7 (docs/performance.md, twentieth session).
-It joins the watched threads when it starts (:meth:`BatchScheduling.add`).
+iteration -13.3 % and -16.4 % pinned, -9.0 % unpinned (7, 7 and 5 of 8 block pairs
+better), and a call reaching a worker that computes between its own calls
+(``mixed_roles.py``) 1.0 ms at the median instead of 1.7 (docs/performance.md,
+twentieth session).
+It adds itself when it starts (:meth:`BatchScheduling.add`), to a
+:class:`BatchScheduling` of its own (``Agent.io_thread_scheduling``; libzmq's are
+``Agent.batch_scheduling``), so that either falls back without touching the other.
 
 The price comes when a thread that never yields shares the core: a batch
 thread then waits for that thread's time slice to end, up to ~1 ms per
@@ -31,7 +34,7 @@ threads' run-queue waits (``/proc/self/task/<tid>/schedstat``) are read, and
 when one thread's mean wait per wake-up since it was last judged exceeds its
 limit (:data:`MAX_BATCH_WAIT` for libzmq's, :data:`MAX_AGENT_IO_WAIT` for the
 agent's) while this process used less than :data:`SELF_BUSY` CPUs (so others
-took the core) they all go back to the default policy. They try ``SCHED_BATCH``
+took the core) the threads it watches go back to the default policy. They try ``SCHED_BATCH``
 again after a back-off that starts at :data:`MIN_BACKOFF` and doubles (up to
 :data:`MAX_BACKOFF`) while the trials keep failing.
 

@@ -186,6 +186,8 @@ def worker_snapshot(agent: Agent) -> dict[str, Any]:
         },
         # libzmq's I/O threads: "batch" / "default" policy, times batch was given up
         "batch_scheduling": agent.batch_scheduling.describe(),
+        # the agent's own I/O thread: the same, guarded on its own
+        "io_thread_scheduling": agent.io_thread_scheduling.describe(),
         # riders: queued, carried on messages, carriers sent alone, replies queued to ride
         "notifications": agent.riders.describe(),
     }

@@ -19,7 +19,7 @@ _MAX_POLL = 0.05
 def run_timed_work(agent: Agent) -> None:
     """Held requests that are due, queued work, deadlines, liveness, pool growth,
     notifications that waited (to leave, or to be handled after a request that took
-    long), the scheduling policy of libzmq's threads."""
+    long), the scheduling policy of libzmq's threads and of the I/O thread itself."""
     agent.held.release_if_due(time.monotonic())
     while not agent._soon.empty():
         fn, args = agent._soon.get_nowait()
@@ -30,6 +30,7 @@ def run_timed_work(agent: Agent) -> None:
     agent.riders.flush()
     agent.serve_due_riders(time.monotonic())
     agent.batch_scheduling.check()
+    agent.io_thread_scheduling.check()
 
 
 def seconds_to_timed_work(agent: Agent) -> float:
