@@ -465,6 +465,34 @@ def test_main_style_function_and_class_travel_by_value():
     assert loads(payload)().value() == "main-class"
 
 
+def test_the_receivers_main_function_is_fingerprinted_once_while_it_stays(monkeypatch):
+    from actorrpc.serialization import _pickling
+
+    main = sys.modules["__main__"]
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec("def shipped(x):\n    return x + 1\n", namespace)
+    sent = namespace["shipped"]
+    monkeypatch.setattr(main, "shipped", sent, raising=False)  # the receiver's own, the same
+    payload, _ = dumps(sent)
+    fingerprinted: list[Any] = []
+    real = _pickling._code_fingerprint
+    monkeypatch.setattr(_pickling, "_code_fingerprint",
+                        lambda code: fingerprinted.append(code) or real(code))
+    for _ in range(3):
+        assert loads(payload) is sent  # the receiver's own definition, as with torch
+    assert len(fingerprinted) == 1
+    # redefined on the receiver (a notebook cell run again): fingerprinted afresh, and
+    # as its code differs now, the caller's definition runs
+    exec("def shipped(x):\n    return x + 2\n", namespace)
+    monkeypatch.setattr(main, "shipped", namespace["shipped"])
+    fingerprinted.clear()
+    rebuilt = loads(payload)
+    assert fingerprinted and rebuilt is not namespace["shipped"] and rebuilt(1) == 2
+    namespace["shipped"].__code__ = sent.__code__  # its code replaced: fingerprinted afresh,
+    fingerprinted.clear()
+    assert loads(payload) is namespace["shipped"] and fingerprinted  # and the same now
+
+
 def test_receiver_cache_maps_one_definition_to_one_object():
     func = lambda x: x - 1  # noqa: E731
     first = loads(dumps(func)[0])
