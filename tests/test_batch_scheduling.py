@@ -267,6 +267,36 @@ def test_a_refusal_puts_the_threads_already_switched_back() -> None:
     assert threads.batch == {11: False, 12: False}
 
 
+def test_a_refusal_in_the_middle_of_a_switch_switches_no_further_thread() -> None:
+    threads = _Threads()
+    scheduling = threads.scheduling()
+    threads.wake(100, wait_us=900)
+    threads.check(scheduling)
+    assert scheduling.policy == "default" and threads.batch == {11: False, 12: False}
+    threads.refuse_tids = {11}  # the retry is refused for the first thread only
+    for _ in range(int(sched.MIN_BACKOFF / sched.CHECK_INTERVAL) + 2):
+        threads.check(scheduling)
+    assert scheduling.policy == "unavailable" and scheduling.tids == []
+    assert threads.batch == {11: False, 12: False}  # 12 is not left under batch, unwatched
+
+
+def test_an_excused_wait_does_not_start_the_retries_over() -> None:
+    threads = _Threads()
+    scheduling = threads.scheduling()
+    threads.wake(100, wait_us=900)
+    threads.check(scheduling)  # lost: retried after MIN_BACKOFF, then after twice that
+    assert threads.seconds_until_batch_again(scheduling) >= sched.MIN_BACKOFF
+    threads.cpu_share = 1.0  # over the limit, but behind this process's own threads
+    threads.wake(100, wait_us=900)
+    threads.check(scheduling)
+    assert scheduling.policy == "batch"
+    threads.cpu_share = 0.2
+    threads.wake(100, wait_us=900)
+    threads.check(scheduling)
+    assert scheduling.policy == "default"
+    assert threads.seconds_until_batch_again(scheduling) >= 2 * sched.MIN_BACKOFF
+
+
 def test_no_thread_is_added_when_scheduling_is_off_refused_or_unwatchable() -> None:
     threads = _Threads()
     threads.waits[13] = [0, 1]

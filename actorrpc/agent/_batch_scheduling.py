@@ -46,8 +46,10 @@ Invariants:
   the agent's I/O thread, which adds itself. One found gone by a policy switch
   is dropped. Threads they start inherit their policy (Linux copies it): the
   threads the agent starts (its pool's, the RRef timers') give it up first
-  (:func:`undo_inherited_batch`), so nothing runs under batch unwatched but
-  callbacks that the I/O thread itself runs (a future completed there).
+  (:func:`undo_inherited_batch`). Still under batch, unwatched: what the I/O
+  thread runs itself (callbacks of futures completed there, inline handlers)
+  and the threads or processes those start, such as a library's thread pool
+  created on its first use there.
 * Only one thread changes the state: the agent's I/O thread (``add`` when it
   starts, ``check`` in its timed work); ``describe`` may be read from any thread.
 * A refused policy change (a sandbox without ``sched_setscheduler``) turns the
@@ -232,6 +234,8 @@ class BatchScheduling:
     def _switch(self, batch: bool) -> None:
         for tid in list(self._tids):
             self._apply(tid, batch)
+            if self._refused:
+                break  # the threads were put back: none may be switched to batch after it
         if self.policy != UNAVAILABLE:
             self.policy = BATCH if batch else DEFAULT
 
@@ -260,7 +264,7 @@ class BatchScheduling:
                 self._start_window()
             return
         cpu = self._cpu_clock()
-        judged = lost = False
+        judged = over = lost = False  # over: a thread waited too long (excused or not)
         for tid, (wait_ns, slices) in self._read_waits(self.tids).items():
             baseline = self._baselines.get(tid)
             if baseline is None:
@@ -274,6 +278,7 @@ class BatchScheduling:
             judged = True
             if (wait_ns - waited_from) / wakeups / 1e9 <= self._limits.get(tid, MAX_BATCH_WAIT):
                 continue
+            over = True
             # unless this process's own threads kept the core (the waits batched its work)
             if cpu - cpu_began < SELF_BUSY * (now - began):
                 lost = True
@@ -282,7 +287,7 @@ class BatchScheduling:
             self.fallbacks += 1
             self._retry_at = now + self._backoff
             self._backoff = min(2 * self._backoff, MAX_BACKOFF)
-        elif judged:
+        elif judged and not over:  # batch won a judged window outright: retries start over
             self._backoff = MIN_BACKOFF
 
     def describe(self) -> dict[str, object]:
