@@ -54,10 +54,12 @@ class _Threads:
             raise ProcessLookupError(tid)
         self.batch[tid] = batch
 
-    def scheduling(self, enabled: bool = True) -> BatchScheduling:
+    def scheduling(
+        self, enabled: bool = True, max_wait: float = sched.MAX_BATCH_WAIT
+    ) -> BatchScheduling:
         return BatchScheduling(
             list(self.waits), enabled, self.read_waits, self.set_policy,
-            clock=lambda: self.now, cpu_clock=lambda: self.cpu,
+            clock=lambda: self.now, cpu_clock=lambda: self.cpu, max_wait=max_wait,
         )
 
     def check(self, scheduling: BatchScheduling) -> None:
@@ -228,17 +230,15 @@ def test_each_thread_is_judged_on_its_own_waits() -> None:
     assert scheduling.policy == "default" and threads.batch == {11: False, 13: False}
 
 
-def test_each_thread_has_its_own_limit() -> None:
-    threads = _Threads(tids=(11,))
-    scheduling = threads.scheduling()
-    threads.waits[13] = [0, 1]
-    scheduling.add(13)
-    threads.wake(100, wait_us=150, tids=[13])  # behind the threads it must not preempt
-    threads.check(scheduling)
-    assert scheduling.policy == "batch"
-    threads.wake(100, wait_us=150, tids=[11])  # libzmq's thread: over its 50 µs
-    threads.check(scheduling)
-    assert scheduling.policy == "default"
+def test_the_agents_io_thread_is_judged_against_its_own_limit() -> None:
+    libzmq = _Threads(tids=(11,))
+    libzmq_scheduling = libzmq.scheduling()  # MAX_BATCH_WAIT, 50 µs
+    agent = _Threads(tids=(13,))
+    agent_scheduling = agent.scheduling(max_wait=sched.MAX_AGENT_IO_WAIT)  # 200 µs
+    for threads, scheduling in ((libzmq, libzmq_scheduling), (agent, agent_scheduling)):
+        threads.wake(100, wait_us=150)  # behind the threads of this process it must not preempt
+        threads.check(scheduling)
+    assert libzmq_scheduling.policy == "default" and agent_scheduling.policy == "batch"
 
 
 def test_a_rarely_woken_thread_is_judged_once_its_wake_ups_add_up() -> None:

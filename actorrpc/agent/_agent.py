@@ -43,7 +43,7 @@ from ..errors import (
 from ..protocol import FLAG_RIDERS, Header, MessageKind, encode_header, encode_inline
 from ..serialization import PickleTarget, dumps, pickling_for
 from ..transport import Transport
-from ._batch_scheduling import BatchScheduling
+from ._batch_scheduling import MAX_AGENT_IO_WAIT, BatchScheduling
 from ._calls import (
     CallHook,
     CallRecord,
@@ -207,7 +207,9 @@ class Agent(MessageDispatcher):
             )
             # the agent's I/O thread, which adds itself: guarded on its own, so that a
             # fallback of either leaves the other's policy alone
-            self.io_thread_scheduling = BatchScheduling([], options.batch_scheduling)
+            self.io_thread_scheduling = BatchScheduling(
+                [], options.batch_scheduling, max_wait=MAX_AGENT_IO_WAIT
+            )
             self.endpoint = self._transport.endpoint
             self.shared = SharedBuffers(self, options.shared_memory_threshold)
         except BaseException:

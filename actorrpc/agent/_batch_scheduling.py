@@ -31,7 +31,7 @@ the waits are pure loss; when it is this process's own (a loop issuing
 ``rpc_async`` calls, a long computation), they batch its messages, which helps
 throughput. So the policy is watched: every :data:`CHECK_INTERVAL` seconds the
 threads' run-queue waits (``/proc/self/task/<tid>/schedstat``) are read, and
-when one thread's mean wait per wake-up since it was last judged exceeds its
+when one thread's mean wait per wake-up since it was last judged exceeds the
 limit (:data:`MAX_BATCH_WAIT` for libzmq's, :data:`MAX_AGENT_IO_WAIT` for the
 agent's) while this process used less than :data:`SELF_BUSY` CPUs (so others
 took the core) the threads it watches go back to the default policy. They try ``SCHED_BATCH``
@@ -160,14 +160,15 @@ class BatchScheduling:
         set_policy: Callable[[int, bool], None] = _set_policy,
         clock: Callable[[], float] = time.monotonic,
         cpu_clock: Callable[[], float] = time.process_time,
+        max_wait: float = MAX_BATCH_WAIT,
     ) -> None:
         self.fallbacks = 0  # times batch was given up because the threads waited
+        self.max_wait = max_wait  # the limit each watched thread is judged against
         self._read_waits = read_waits
         self._set_policy = set_policy
         self._clock = clock
         self._cpu_clock = cpu_clock
         self._tids: list[int] = []
-        self._limits: dict[int, float] = {}  # each watched thread's MAX_*_WAIT
         self._backoff = MIN_BACKOFF
         self._retry_at = 0.0
         self._next_check = 0.0
@@ -184,7 +185,6 @@ class BatchScheduling:
         for tid in watchable:
             if self.policy == BATCH and self._apply(tid, True):
                 self._tids.append(tid)
-                self._limits[tid] = MAX_BATCH_WAIT
         if not self._tids:
             self.policy = UNAVAILABLE  # no thread found, no schedstat, or refused
         self._start_window()
@@ -213,11 +213,11 @@ class BatchScheduling:
             return False
         return True
 
-    def add(self, tid: int, max_wait: float = MAX_AGENT_IO_WAIT) -> None:
+    def add(self, tid: int) -> None:
         """Put thread ``tid`` (started after this was made: the agent's I/O thread) under
-        the current policy and watch it with the others, judged against ``max_wait``;
-        nothing when scheduling is off or was refused, or when its waits cannot be read.
-        Called by the thread that calls :meth:`check`."""
+        the current policy and watch it with the others; nothing when scheduling is off
+        or was refused, or when its waits cannot be read. Called by the thread that
+        calls :meth:`check`."""
         if self.policy == OFF or self._refused or not hasattr(os, "SCHED_BATCH"):
             return
         reading = self._read_waits([tid]).get(tid, (0, 0))
@@ -228,7 +228,6 @@ class BatchScheduling:
             self._start_window()
         if self._apply(tid, self.policy == BATCH):
             self._tids.append(tid)
-            self._limits[tid] = max_wait
             self._baselines[tid] = (*reading, self._clock(), self._cpu_clock())
 
     def _switch(self, batch: bool) -> None:
@@ -251,8 +250,8 @@ class BatchScheduling:
         """Judge each thread that woke often enough since its window began; switch policy
         when batch loses for one of them, or when a retry is due.
 
-        Each thread is judged on its own waits, against its own limit: a thread that
-        wakes rarely behind a hog is not averaged away by one that wakes often elsewhere.
+        Each thread is judged on its own waits: a thread that wakes rarely behind a hog
+        is not averaged away by one that wakes often elsewhere.
         """
         now = self._clock()
         if self.policy in (OFF, UNAVAILABLE) or now < self._next_check:
@@ -276,7 +275,7 @@ class BatchScheduling:
                 continue  # too quiet to judge: keep counting from the same start
             self._baselines[tid] = (wait_ns, slices, now, cpu)
             judged = True
-            if (wait_ns - waited_from) / wakeups / 1e9 <= self._limits.get(tid, MAX_BATCH_WAIT):
+            if (wait_ns - waited_from) / wakeups / 1e9 <= self.max_wait:
                 continue
             over = True
             # unless this process's own threads kept the core (the waits batched its work)
