@@ -36,7 +36,14 @@ from hypothesis import strategies as st
 from actorrpc.agent import WorkerInfo
 from actorrpc.errors import RpcTimeoutError, RRefError
 from actorrpc.rref import RRef, RRefContext
-from actorrpc.rref._context import CHILD_ACCEPT, USER_DELETE, GloballyUniqueId, OwnerState
+from actorrpc.rref._context import (
+    CHILD_ACCEPT,
+    USER_DELETE,
+    GloballyUniqueId,
+    OwnerState,
+    format_id,
+)
+from actorrpc.serialization import dumps
 
 # -- the simulation -----------------------------------------------------------------------
 
@@ -874,3 +881,14 @@ def test_fetch_timers_answered_in_time_do_not_pile_up() -> None:
     for _ in range(10 * _PRUNE_AT):
         timers.call_later(3600.0, lambda: None).cancel()
     assert len(live) <= timers.pending() <= 2 * len(live) + _PRUNE_AT  # live ones are kept
+
+
+def test_ids_travel_as_plain_tuples_and_show_as_torch_shows_them() -> None:
+    ctx = RRefContext(3, lambda *args: None)
+    rref_id = ctx.new_id()
+    assert type(rref_id) is tuple and rref_id == GloballyUniqueId(3, 0)
+    assert {GloballyUniqueId(3, 0): "found"}[rref_id] == "found"  # one table entry either way
+    body, _ = dumps((rref_id, ctx.new_id()), "arguments")
+    assert b"GloballyUniqueId" not in body  # pickled natively: no class, no reduce
+    assert format_id(rref_id) == "GloballyUniqueId(created_on=3, local_id=0)"
+    assert format_id(None) == "None"

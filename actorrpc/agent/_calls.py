@@ -40,12 +40,19 @@ __all__ = [
 
 @dataclass
 class IncomingRequest:
-    """A decoded request handed to a registered handler."""
+    """A decoded request handed to a registered handler.
+
+    ``after_reply``: set by a handler to work the request needs done but its reply need
+    not wait for (bookkeeping); the serving thread runs it once the reply is handed to
+    the link (or queued to ride), before the request counts as served, and an error it
+    raises is logged. A handler whose outcome is a future has it run at once.
+    """
 
     kind: MessageKind
     sender: WorkerInfo
     message_id: int
     payload: Any
+    after_reply: Callable[[], None] | None = None
 
 
 Handler = Callable[[IncomingRequest], Any]

@@ -71,8 +71,10 @@ __all__ = [
     "GloballyUniqueId",
     "OwnerState",
     "RRefContext",
+    "RRefId",
     "copy_exception",
     "detached_exception",
+    "format_id",
     "settle",
     "wait_result",
 ]
@@ -85,8 +87,16 @@ CHILD_ACCEPT = "child_accept"
 """Control kind: payload ``(fork_id,)``, sent to the parent of a fork."""
 
 
+RRefId = tuple[int, int]
+"""An RRef id or fork id as the tables keep it and messages carry it: ``(created_on,
+local_id)``, the worker that made it and a per-worker counter. A plain tuple: pickle writes
+it natively, where a named tuple costs a reduce, a class lookup and a Python ``__new__``
+each way (four ids travel per ``remote()``; a :class:`GloballyUniqueId` compares and
+hashes equal to its plain tuple, so either finds the same table entry)."""
+
+
 class GloballyUniqueId(NamedTuple):
-    """An RRef id or fork id: the worker that made it and a per-worker counter."""
+    """An RRef id or fork id in its named form (how :func:`format_id` shows one)."""
 
     created_on: int
     local_id: int
@@ -95,11 +105,16 @@ class GloballyUniqueId(NamedTuple):
         return f"GloballyUniqueId(created_on={self.created_on}, local_id={self.local_id})"
 
 
+def format_id(rref_id: RRefId | None) -> str:
+    """An id as torch shows it: ``GloballyUniqueId(created_on=0, local_id=1)``."""
+    return "None" if rref_id is None else repr(GloballyUniqueId(*rref_id))
+
+
 class Handle(Protocol):
     """What the context reads and writes on an RRef handle (see ``_rref.RRef``)."""
 
-    _rref_id: GloballyUniqueId
-    _fork_id: GloballyUniqueId | None
+    _rref_id: RRefId
+    _fork_id: RRefId | None
     _state: OwnerState | None
     _confirmed: bool
     _deleted: bool
@@ -198,7 +213,7 @@ class OwnerState:
     ``_proxy.py``), so they live exactly as long as the value can be called.
     """
 
-    def __init__(self, rref_id: GloballyUniqueId, type_name: str = "") -> None:
+    def __init__(self, rref_id: RRefId, type_name: str = "") -> None:
         self.rref_id = rref_id
         self._set_lock = threading.Lock()
         self._done = False
@@ -266,7 +281,7 @@ class OwnerState:
             if event is not None and not event.wait(timeout if timeout > 0 else None):
                 raise RpcTimeoutError(
                     f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) waiting for "
-                    f"the value of RRef {self.rref_id!r} to be created"
+                    f"the value of RRef {format_id(self.rref_id)} to be created"
                 )
         if self._error is not None:
             raise copy_exception(self._error)
@@ -291,20 +306,20 @@ class RRefContext:
         self._ids = itertools.count(0)  # torch numbers RRef and fork ids from 0
         self._lock = threading.RLock()
         self._send_control = send_control
-        self.owners: dict[GloballyUniqueId, OwnerState] = {}
-        self.forks: dict[GloballyUniqueId, set[GloballyUniqueId]] = {}
-        self.pending_users: dict[GloballyUniqueId, Handle] = {}
-        self.pending_children: dict[GloballyUniqueId, Handle] = {}
-        self.confirmed_users: dict[GloballyUniqueId, weakref.ref[Any]] = {}
-        self._tombstones: OrderedDict[GloballyUniqueId, None] = OrderedDict()
-        self.local_states: weakref.WeakValueDictionary[GloballyUniqueId, OwnerState] = (
+        self.owners: dict[RRefId, OwnerState] = {}
+        self.forks: dict[RRefId, set[RRefId]] = {}
+        self.pending_users: dict[RRefId, Handle] = {}
+        self.pending_children: dict[RRefId, Handle] = {}
+        self.confirmed_users: dict[RRefId, weakref.ref[Any]] = {}
+        self._tombstones: OrderedDict[RRefId, None] = OrderedDict()
+        self.local_states: weakref.WeakValueDictionary[RRefId, OwnerState] = (
             weakref.WeakValueDictionary()
         )
-        self.call_sequences: dict[GloballyUniqueId, Any] = {}  # caller side, see _proxy.py
+        self.call_sequences: dict[RRefId, Any] = {}  # caller side, see _proxy.py
         self.closed = False
 
-    def new_id(self) -> GloballyUniqueId:
-        return GloballyUniqueId(self.rank, next(self._ids))
+    def new_id(self) -> RRefId:
+        return (self.rank, next(self._ids))
 
     def _emit(self, dest: int, kind: str, payload: tuple[Any, ...]) -> None:
         """Send a control message; a child accept to this worker is applied at once."""
@@ -320,7 +335,7 @@ class RRefContext:
         with self._lock:
             self.local_states[state.rref_id] = state
 
-    def get_or_create_owner(self, rref_id: GloballyUniqueId) -> OwnerState:
+    def get_or_create_owner(self, rref_id: RRefId) -> OwnerState:
         """The owner state of ``rref_id``, entered in ``owners`` (created if unknown)."""
         with self._lock:
             state = self.owners.get(rref_id)
@@ -330,27 +345,31 @@ class RRefContext:
                 self.local_states[rref_id] = state
             return state
 
-    def release_if_unforked(self, rref_id: GloballyUniqueId) -> None:
+    def release_if_unforked(self, rref_id: RRefId) -> None:
         """Drop the table's hold on an owner nobody forked (the RRef objects keep the value)."""
         with self._lock:
             if not self.forks.get(rref_id):
                 self.forks.pop(rref_id, None)
                 self.owners.pop(rref_id, None)
 
-    def is_tombstoned(self, fork_id: GloballyUniqueId) -> bool:
+    def is_tombstoned(self, fork_id: RRefId) -> bool:
         with self._lock:
             return fork_id in self._tombstones
 
-    def add_fork(self, state: OwnerState, fork_id: GloballyUniqueId) -> None:
+    def add_fork(self, state: OwnerState, fork_id: RRefId) -> None:
         """Register a fork of an owner RRef, unless it was already deleted (tombstone)."""
         with self._lock:
             if fork_id in self._tombstones:
                 return
-            self.owners.setdefault(state.rref_id, state)
-            self.local_states[state.rref_id] = state
-            self.forks.setdefault(state.rref_id, set()).add(fork_id)
+            rref_id = state.rref_id
+            # every entry of ``owners`` is in ``local_states`` (both are set together), so
+            # the weak table (a Python-level dict) is written only for a state new here
+            if self.owners.get(rref_id) is not state:
+                self.owners.setdefault(rref_id, state)
+                self.local_states[rref_id] = state
+            self.forks.setdefault(rref_id, set()).add(fork_id)
 
-    def delete_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+    def delete_fork(self, rref_id: RRefId, fork_id: RRefId) -> None:
         """Idempotently drop a fork; erase the owner entry when none is left."""
         with self._lock:
             self._tombstones[fork_id] = None
@@ -368,7 +387,7 @@ class RRefContext:
     # -- owner side: protocol transitions -----------------------------------------------
 
     def on_remote_call(
-        self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId | None
+        self, rref_id: RRefId, fork_id: RRefId | None
     ) -> OwnerState:
         """REMOTE_CALL(rref_id, fork_id) arrived: the state to store the result in.
 
@@ -389,25 +408,25 @@ class RRefContext:
                 self.add_fork(state, fork_id)
             return state
 
-    def on_fork_request(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+    def on_fork_request(self, rref_id: RRefId, fork_id: RRefId) -> None:
         """RREF_FORK_REQUEST: register the fork (the reply is the ack)."""
         with self._lock:
             if fork_id in self._tombstones:
                 return  # a duplicate arriving after the fork's delete
             self.add_fork(self.get_or_create_owner(rref_id), fork_id)
 
-    def on_user_delete(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+    def on_user_delete(self, rref_id: RRefId, fork_id: RRefId) -> None:
         """RREF_USER_DELETE."""
         self.delete_fork(rref_id, fork_id)
 
-    def on_child_accept(self, fork_id: GloballyUniqueId) -> None:
+    def on_child_accept(self, fork_id: RRefId) -> None:
         """RREF_CHILD_ACCEPT (on the parent)."""
         self.accept_child(fork_id)
 
     def receive_at_owner(
         self,
-        rref_id: GloballyUniqueId,
-        fork_id: GloballyUniqueId | None,
+        rref_id: RRefId,
+        fork_id: RRefId | None,
         parent: int | None,
     ) -> OwnerState:
         """An RRef this worker owns arrived in a message; return its state.
@@ -429,7 +448,7 @@ class RRefContext:
 
     # -- user side ----------------------------------------------------------------------
 
-    def fork_for(self, handle: Handle, target: int) -> tuple[GloballyUniqueId, int | None]:
+    def fork_for(self, handle: Handle, target: int) -> tuple[RRefId, int | None]:
         """A handle is being sent to ``target``: the new fork id and the parent rank.
 
         The owner registers the fork at once (early registration, case 3, and
@@ -452,7 +471,7 @@ class RRefContext:
         return fork_id, self.rank
 
     def undo_fork(
-        self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, parent: int | None
+        self, rref_id: RRefId, fork_id: RRefId, parent: int | None
     ) -> None:
         """The message carrying a fork from :meth:`fork_for` was never sent, or its
         receiver could not unpickle it before it rebuilt the fork: forget it."""
@@ -474,7 +493,7 @@ class RRefContext:
         self.add_pending_user(handle)
         return True
 
-    def fork_acknowledged(self, fork_id: GloballyUniqueId, parent: int) -> None:
+    def fork_acknowledged(self, fork_id: RRefId, parent: int) -> None:
         """The owner acked RREF_FORK_REQUEST: confirm the child, release its parent."""
         self.confirm_user(fork_id)
         self._emit(parent, CHILD_ACCEPT, (fork_id,))
@@ -484,14 +503,14 @@ class RRefContext:
         with self._lock:
             self.pending_users[handle._fork_id] = handle
 
-    def forget_pending_user(self, fork_id: GloballyUniqueId) -> None:
+    def forget_pending_user(self, fork_id: RRefId) -> None:
         """A pending user whose creating message was never sent: drop it silently."""
         with self._lock:
             handle = self.pending_users.pop(fork_id, None)
             if handle is not None:
                 handle._deleted = True  # never known to the owner: no delete to send
 
-    def confirm_user(self, fork_id: GloballyUniqueId) -> None:
+    def confirm_user(self, fork_id: RRefId) -> None:
         """The owner knows this user (REMOTE_RET or fork ack); idempotent."""
         with self._lock:
             handle = self.pending_users.pop(fork_id, None)
@@ -507,11 +526,11 @@ class RRefContext:
         with self._lock:
             self.confirmed_users[handle._fork_id] = weakref.ref(handle)
 
-    def add_pending_child(self, fork_id: GloballyUniqueId, parent: Handle) -> None:
+    def add_pending_child(self, fork_id: RRefId, parent: Handle) -> None:
         with self._lock:
             self.pending_children[fork_id] = parent
 
-    def accept_child(self, fork_id: GloballyUniqueId) -> None:
+    def accept_child(self, fork_id: RRefId) -> None:
         """Release the parent held for ``fork_id`` (idempotent)."""
         with self._lock:
             parent = self.pending_children.pop(fork_id, None)
@@ -559,7 +578,7 @@ class RRefContext:
     def leaks(self) -> list[str]:
         with self._lock:
             return [
-                f"Leaking RRef {rref_id!r} with fork Id {fork_id!r}"
+                f"Leaking RRef {format_id(rref_id)} with fork Id {format_id(fork_id)}"
                 for rref_id, forks in self.forks.items()
                 for fork_id in forks
             ]

@@ -33,9 +33,9 @@ import torch
 
 from ..agent import current_agent
 from ._context import (
-    GloballyUniqueId,
     OwnerState,
     RRefContext,
+    RRefId,
     detached_exception,
     settle,
     wait_result,
@@ -56,7 +56,7 @@ class _CallerSequence:
 _sequences_lock = threading.Lock()
 
 
-def _caller_sequence(ctx: RRefContext, rref_id: GloballyUniqueId) -> _CallerSequence:
+def _caller_sequence(ctx: RRefContext, rref_id: RRefId) -> _CallerSequence:
     with _sequences_lock:
         sequence: _CallerSequence | None = ctx.call_sequences.get(rref_id)
         if sequence is None:
@@ -67,7 +67,7 @@ def _caller_sequence(ctx: RRefContext, rref_id: GloballyUniqueId) -> _CallerSequ
 class _CallOrder:
     """Caller side of a sequence number; becomes a :class:`_Ticket` on the owner."""
 
-    def __init__(self, rref_id: GloballyUniqueId, caller: int, seq: int) -> None:
+    def __init__(self, rref_id: RRefId, caller: int, seq: int) -> None:
         self.rref_id = rref_id
         self.caller = caller
         self.seq = seq
@@ -79,7 +79,7 @@ class _CallOrder:
 class _Ticket:
     """Owner side of a sequence number: claimed by :func:`invoke_method`, else skipped."""
 
-    def __init__(self, rref_id: GloballyUniqueId, caller: int, seq: int) -> None:
+    def __init__(self, rref_id: RRefId, caller: int, seq: int) -> None:
         self.rref_id = rref_id
         self.caller = caller
         self.seq = seq

@@ -14,6 +14,7 @@ import torch
 
 from ..agent import (
     Agent,
+    CallRecord,
     CallResult,
     IncomingRequest,
     current_agent,
@@ -30,10 +31,11 @@ from ._context import (
     CHILD_ACCEPT,
     USER_DELETE,
     FetchFailure,
-    GloballyUniqueId,
     OwnerState,
     RRefContext,
+    RRefId,
     copy_exception,
+    format_id,
     settle,
 )
 from ._rref import RRef, _reduce_rref, creation_timeout_error, rref_context, send_child_accept
@@ -41,6 +43,10 @@ from ._rref import RRef, _reduce_rref, creation_timeout_error, rref_context, sen
 __all__ = ["debug_info", "remote"]
 
 _log = logging.getLogger("actorrpc.rref")
+
+REGISTER_AFTER_REPLY = True
+"""An owner enters a value created for another worker in its tables after the reply
+(see ``_handle_remote_call``); False: before running the function (same-run A/Bs)."""
 
 # What remote()'s creation completes: a CallResult (no torch future; RRef._get_future()
 # makes one only when asked).
@@ -159,8 +165,20 @@ def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
     """
     func, args, kwargs, meta, rref_id, fork_id = request.payload
     ctx = rref_context(agent)
-    state = ctx.on_remote_call(rref_id, fork_id)
-    value, error = _run_creation(agent, request.sender, func, args, kwargs, meta)
+    if fork_id is not None and REGISTER_AFTER_REPLY:
+        # Created for another worker: the tables take the value after the reply left
+        # (``after_reply``), off the creator's wait. Its next messages about the RRef may be
+        # served first; each already copes with an id not yet created (a fetch or fork
+        # request makes the pending owner state, which the value then completes; a delete
+        # leaves a tombstone, so the value is not entered), as with a third worker's.
+        value, error = _run_creation(agent, request.sender, func, args, kwargs, meta)
+        if error is None and not isinstance(value, torch._C.Future):
+            request.after_reply = lambda: ctx.on_remote_call(rref_id, fork_id).set_value(value)
+            return _created_reply(agent, request, lambda call: value)
+        state = ctx.on_remote_call(rref_id, fork_id)
+    else:
+        state = ctx.on_remote_call(rref_id, fork_id)
+        value, error = _run_creation(agent, request.sender, func, args, kwargs, meta)
     if error is None and isinstance(value, torch._C.Future):
         reply: torch.futures.Future[Any] = torch.futures.Future()
 
@@ -172,7 +190,7 @@ def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
                 state.set_error(failure)
             _release_self_owner(ctx, rref_id, fork_id)
             if failure is None:
-                reply.set_result(_created_reply(agent, request, state))
+                reply.set_result(_created_reply(agent, request, lambda call: state.wait(0)))
             else:  # a copy: ``reply`` must not hold the exception the state holds
                 reply.set_exception(copy_exception(failure))
 
@@ -181,19 +199,22 @@ def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
     if error is None:
         state.set_value(value)
         _release_self_owner(ctx, rref_id, fork_id)
-        return _created_reply(agent, request, state)
+        return _created_reply(agent, request, lambda call: state.wait(0))
     state.set_error(error)
     _release_self_owner(ctx, rref_id, fork_id)
     raise copy_exception(error, keep_traceback=True)
 
 
-def _created_reply(agent: Agent, request: IncomingRequest, state: OwnerState) -> Any:
-    """The answer to a creation that succeeded: None, or for REMOTE_CALL_FETCH the value
-    (served as a fetch that arrived before the value existed would be, right now)."""
+def _created_reply(
+    agent: Agent, request: IncomingRequest, created: Callable[[CallRecord], Any]
+) -> Any:
+    """The answer to a creation that succeeded: None, or for REMOTE_CALL_FETCH the value,
+    ``created(call)`` (served as a fetch that arrived before the value existed would be,
+    right now)."""
     if request.kind != MessageKind.REMOTE_CALL_FETCH:
         return None
     try:  # encoded here: a value that cannot be pickled fails the fetch, not the creation
-        return encode_reply(request.sender.id, _serve_value(agent, request, {}, state))
+        return encode_reply(request.sender.id, agent.serve(request.sender, {}, (), {}, created))
     except BaseException as exc:  # noqa: BLE001 - the creator's to_here() raises it
         return FetchFailure(pack_exception(exc, repr(agent.info)))
 
@@ -215,7 +236,7 @@ def _run_creation(
     return value, None
 
 
-def _release_self_owner(ctx: RRefContext, rref_id: GloballyUniqueId, fork_id: Any) -> None:
+def _release_self_owner(ctx: RRefContext, rref_id: RRefId, fork_id: Any) -> None:
     if fork_id is None:
         ctx.release_if_unforked(rref_id)
 
@@ -362,7 +383,7 @@ class _Fetch:
         agent, _, state, reply = parts
         timeout = RpcTimeoutError(
             f"RPC ran for more than set timeout ({int(limit * 1000)} ms) waiting on "
-            f"{agent.name!r} for RRef {state.rref_id!r} to be created"
+            f"{agent.name!r} for RRef {format_id(state.rref_id)} to be created"
         )
         reply.set_result(FetchFailure(pack_exception(timeout, repr(agent.info))))
         if not state.is_ready():  # a pending owner nobody created: forget it
@@ -397,7 +418,7 @@ def _serve_value(agent: Agent, request: IncomingRequest, meta: Any, state: Owner
     return agent.serve(request.sender, meta, (), {}, lambda call: state.wait(0))
 
 
-def _fetch_payload(payload: Any) -> tuple[GloballyUniqueId, dict[str, Any], float]:
+def _fetch_payload(payload: Any) -> tuple[RRefId, dict[str, Any], float]:
     """``(rref_id, meta[, timeout])``, checked: a malformed request is refused at once."""
     if isinstance(payload, tuple) and len(payload) in (2, 3):
         rref_id, meta, *rest = payload

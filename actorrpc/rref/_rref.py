@@ -31,10 +31,11 @@ from ..protocol import MessageKind
 from ..serialization import current_pickle_target, current_unpickle_source
 from ._context import (
     FetchFailure,
-    GloballyUniqueId,
     OwnerState,
     RRefContext,
+    RRefId,
     copy_exception,
+    format_id,
     settle,
     wait_result,
 )
@@ -69,8 +70,8 @@ class RRef(Generic[T]):
 
     _agent: Agent
     _owner: WorkerInfo
-    _rref_id: GloballyUniqueId
-    _fork_id: GloballyUniqueId | None
+    _rref_id: RRefId
+    _fork_id: RRefId | None
     _state: OwnerState | None
     _confirmed: bool
     _deleted: bool
@@ -106,7 +107,7 @@ class RRef(Generic[T]):
 
     @classmethod
     def _make_user(
-        cls, agent: Agent, owner: WorkerInfo, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId
+        cls, agent: Agent, owner: WorkerInfo, rref_id: RRefId, fork_id: RRefId
     ) -> RRef[Any]:
         rref: RRef[Any] = cls.__new__(cls)
         rref._agent = agent
@@ -200,7 +201,8 @@ class RRef(Generic[T]):
         """
         if self._state is None:
             raise RRefError(  # torch's wording (tests match it), plus the way out
-                f"For UserRRef(rref_id={self._rref_id!r}, fork_id={self._fork_id!r}), can't call "
+                f"For UserRRef(rref_id={format_id(self._rref_id)}, "
+                f"fork_id={format_id(self._fork_id)}), can't call "
                 f"localValue() on user {self._agent.info!r}. Call it on owner {self._owner!r} "
                 "(local_value() is only available on the owner; use to_here() to fetch a copy)"
             )
@@ -223,12 +225,15 @@ class RRef(Generic[T]):
             return self._state.wait(effective)  # type: ignore[no-any-return]
         if self._creation_error is not None:
             raise copy_exception(self._creation_error)
-        record, on_result = agent.prepare_call(self._owner, (), {})
         creation = self._creation_future
-        if creation is not None and not record.meta and on_result is None:
+        if creation is not None and agent.held.pending:
+            # remote()'s request may still be held: then no call hook had anything for it
+            # (a request is held only then), and no call since changed what they see (any
+            # call would have sent it), so the fetch goes with it without asking them
             fetched = _fetch_with_creation(self, creation, effective)
             if fetched is not _NOT_HELD:
                 return fetched  # type: ignore[no-any-return]
+        record, on_result = agent.prepare_call(self._owner, (), {})
         if creation is not None:  # (the hook let this call by: remote()'s request goes first)
             agent.held.release(creation)
         future = agent.send_request(  # the owner bounds its wait by the same timeout
@@ -340,8 +345,8 @@ class RRef(Generic[T]):
 
     def __str__(self) -> str:
         if self._state is not None:
-            return f"OwnerRRef({self._rref_id!r})"
-        return f"UserRRef(RRefId = {self._rref_id!r}, ForkId = {self._fork_id!r})"
+            return f"OwnerRRef({format_id(self._rref_id)})"
+        return f"UserRRef(RRefId = {format_id(self._rref_id)}, ForkId = {format_id(self._fork_id)})"
 
     def __repr__(self) -> str:
         return f"<{self} owned by {self._owner!r}>"
@@ -373,7 +378,7 @@ def _fetch_with_creation(rref: RRef[Any], creation: Future[Any], timeout: float)
     now as REMOTE_CALL_FETCH, whose answer carries the value; else ``_NOT_HELD``.
 
     Only for a to_here() with the timeout ``remote()`` had (the merged request has
-    one deadline) and no call hook involved (the caller checked).
+    one deadline); no call hook is involved (a held request never has one).
     """
     fetched: list[Any] = []
 
@@ -446,8 +451,8 @@ def _reduce_rref(rref: RRef[Any]) -> Any:
 
 def _rebuild_rref(
     owner: WorkerInfo,
-    rref_id: GloballyUniqueId,
-    fork_id: GloballyUniqueId | None,
+    rref_id: RRefId,
+    fork_id: RRefId | None,
     parent: int | None,
 ) -> RRef[Any]:
     """Unpickle an RRef: the receiving side of the four sharing cases."""
@@ -479,7 +484,7 @@ def _rebuild_rref(
     return rref
 
 
-def send_child_accept(agent: Agent, parent: int, fork_id: GloballyUniqueId) -> None:
+def send_child_accept(agent: Agent, parent: int, fork_id: RRefId) -> None:
     """Send RREF_CHILD_ACCEPT(fork_id) to ``parent`` (best effort)."""
     try:
         agent.send_request(
