@@ -90,6 +90,10 @@ class SerializationError(ActorRpcError, TypeError):
 class DeserializationError(ActorRpcError):
     """Bytes received from a peer could not be unpickled."""
 
+    taken_over: tuple[object, ...] = ()
+    """What this side took over from the sender before the failure (RRef forks rebuilt),
+    reported back so that the sender undoes only the rest."""
+
 
 class ProtocolError(ActorRpcError, ValueError):
     """A malformed frame, header or message was received."""

@@ -54,13 +54,12 @@ def _median_us_after(gap_s: float, spin: bool, work: Callable[[], Any], n: int) 
 
 
 def halted_core_costs(n: int) -> None:
-    from actorrpc.serialization import dumps, pickling_for
+    from actorrpc.serialization import dumps_for
 
     tensor = torch.rand(4)
 
     def pickle_a_call() -> Any:
-        with pickling_for(1):
-            return dumps((echo, (tensor,), {}, {}))
+        return dumps_for(1, (echo, (tensor,), {}, {}))
 
     print("pickling one call carrying a 4-element tensor, median us:")
     print(f"  {'gap before it':>14s} {'after sleeping':>15s} {'after spinning':>15s}")

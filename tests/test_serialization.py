@@ -9,6 +9,7 @@ from __future__ import annotations
 import pickle
 import sys
 import textwrap
+import threading
 from typing import Any
 
 import pytest
@@ -652,3 +653,81 @@ def test_torch_functions_travel_as_one_name_and_other_builtins_as_before():
     assert items == [1, 2]
     assert all(getattr(f, "__self__", None) is None or isinstance(f.__self__, type(sys))
                for f in _pickling._builtin_reductions)
+
+
+# -- where bytes go and come from (dumps_for / loads_from) ------------------------------------
+
+_UNDONE: list[str] = []
+
+
+class _Registers:
+    """Pickling it registers an undo with the current target (as an RRef's fork does)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _reduce_registers(obj: _Registers) -> Any:
+    from actorrpc.serialization import current_pickle_target
+
+    target = current_pickle_target()
+    assert target is not None and target.worker_id == 3
+    target.add_undo(obj.key, lambda: _UNDONE.append(obj.key))
+    return _rebuild_registers, (obj.key,)
+
+
+def _rebuild_registers(key: str) -> str:
+    from actorrpc.serialization import current_unpickle_source
+
+    source = current_unpickle_source()
+    assert source is not None and source.worker_id == 5
+    source.taken_over.append(key)
+    if key == "refuse":
+        raise ValueError("refused on purpose")
+    return key
+
+
+@pytest.fixture
+def registering_reducer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from actorrpc.serialization import _pickling
+
+    monkeypatch.setitem(_pickling._reducers, _Registers, _reduce_registers)
+    _UNDONE.clear()
+
+
+def test_dumps_for_makes_a_target_only_when_something_registers() -> None:
+    from actorrpc.serialization import current_pickle_target, dumps_for
+
+    body, buffers, target = dumps_for(3, (1, "x", None, torch.ones(2)), "arguments")
+    assert target is None and loads(body, buffers)[1] == "x"
+    assert current_pickle_target() is None
+
+
+@pytest.mark.usefixtures("registering_reducer")
+def test_dumps_for_returns_what_pickling_registered_and_undoes_it_on_failure() -> None:
+    from actorrpc.errors import SerializationError
+    from actorrpc.serialization import current_pickle_target, dumps_for
+
+    _, _, target = dumps_for(3, [_Registers("a"), _Registers("b")])
+    assert target is not None and target.worker_id == 3 and target.has_undo
+    assert current_pickle_target() is None  # restored after the call
+    with pytest.raises(SerializationError):
+        dumps_for(3, (_Registers("c"), threading.Lock()), ("first", "second"))
+    assert "c" in _UNDONE and current_pickle_target() is None
+
+
+@pytest.mark.usefixtures("registering_reducer")
+def test_loads_from_reports_what_it_took_over_before_a_failure() -> None:
+    from actorrpc.errors import DeserializationError
+    from actorrpc.serialization import current_unpickle_source, dumps_for, loads_from
+
+    plain, _, _ = dumps_for(3, (1, 2))
+    assert loads_from(5, plain) == ((1, 2), None)  # nothing asked for a source
+    body, buffers, _ = dumps_for(3, [_Registers("a")])
+    value, source = loads_from(5, body, buffers)
+    assert value == ["a"] and source is not None and source.taken_over == ["a"]
+    body, buffers, _ = dumps_for(3, [_Registers("kept"), _Registers("refuse")])
+    with pytest.raises(DeserializationError) as failure:
+        loads_from(5, body, buffers)
+    assert failure.value.taken_over == ("kept", "refuse")
+    assert current_unpickle_source() is None

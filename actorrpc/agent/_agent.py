@@ -41,7 +41,7 @@ from ..errors import (
     ShutdownError,
 )
 from ..protocol import FLAG_RIDERS, Header, MessageKind, encode_header, encode_inline
-from ..serialization import PickleTarget, dumps, pickling_for
+from ..serialization import PickleTarget, dumps_for
 from ..transport import Transport
 from ._batch_scheduling import MAX_AGENT_IO_WAIT, BatchScheduling
 from ._calls import (
@@ -367,19 +367,15 @@ class Agent(MessageDispatcher):
         :class:`CallResult`)."""
         if not self._running:
             raise ActorRpcError(f"the RPC agent of {self.name!r} is shut down")
-        with pickling_for(dest.id) as target:
-            try:
-                body, buffers = dumps(payload, _PAYLOAD_FIELDS.get(kind, "arguments"))
-            except BaseException:
-                target.abort()
-                raise
+        body, buffers, target = dumps_for(dest.id, payload, _PAYLOAD_FIELDS.get(kind, "arguments"))
         try:
             return self._send_encoded(
                 make, dest, kind, body, timeout, description, on_result, buffers,
-                target if target.has_undo else None, hold and on_result is None,
+                target, hold and on_result is None,
             )
         except BaseException:
-            target.abort()  # nothing was sent: undo what pickling registered (RRef forks)
+            if target is not None:  # nothing was sent: undo what pickling registered
+                target.abort()
             raise
 
     def send_encoded(
@@ -433,8 +429,7 @@ class Agent(MessageDispatcher):
 
     def send_notification(self, rank: int, kind: MessageKind, payload: Any) -> None:
         """Send a notification (message id 0, never answered) now; see also :meth:`notify_soon`."""
-        with pickling_for(rank):
-            body, buffers = dumps(payload, "arguments")
+        body, buffers, _ = dumps_for(rank, payload, "arguments")
         self._send(rank, kind, 0, body, buffers)
         self.stats.calls_sent[rank] += 1
 

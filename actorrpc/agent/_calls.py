@@ -15,7 +15,7 @@ import torch
 
 from ..errors import RpcTimeoutError
 from ..protocol import MessageKind
-from ..serialization import PickleTarget, dumps, pickling_for
+from ..serialization import PickleTarget, dumps_for
 from ._futures import Completion
 from ._worker_info import WorkerInfo
 
@@ -65,22 +65,17 @@ class EncodedReply:
 
     __slots__ = ("body", "buffers", "target")
 
-    def __init__(self, body: bytes, buffers: list[Any], target: PickleTarget) -> None:
+    def __init__(self, body: bytes, buffers: list[Any], target: PickleTarget | None) -> None:
         self.body = body
         self.buffers = buffers
-        self.target = target  # what pickling registered (RRef forks), undone if unsent
+        # what pickling registered (RRef forks; None: nothing), undone if unsent
+        self.target = target
 
 
 def encode_reply(receiver_rank: int, value: Any) -> EncodedReply:
     """Pickle ``value`` as the reply to worker ``receiver_rank``; raises what pickling
     raises, after undoing what it registered."""
-    with pickling_for(receiver_rank) as target:
-        try:
-            body, buffers = dumps(value, "result")
-        except BaseException:
-            target.abort()
-            raise
-    return EncodedReply(body, buffers, target)
+    return EncodedReply(*dumps_for(receiver_rank, value, "result"))
 
 
 @dataclass

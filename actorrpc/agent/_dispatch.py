@@ -41,7 +41,7 @@ from ..protocol import (
     decode_header,
     decode_riders,
 )
-from ..serialization import dumps, loads, unpickling_from
+from ..serialization import dumps, loads, loads_from
 from ._calls import (
     CallHook,
     CallRecord,
@@ -158,20 +158,20 @@ class MessageDispatcher(ReplySettling):
             return
         target = encoded.target
         if (
-            not encoded.buffers and not target.has_undo
+            not encoded.buffers and target is None
             and len(encoded.body) <= MAX_RIDING_REPLY
             and self._unstarted.get(sender) and self._pool.on_pool_thread()
         ):  # another request of ``sender`` waits: this reply rides on the next message to it
             self.riders.add_reply(sender, message_id, encoded.body)
             return
         try:
-            if target.has_undo:  # before sending: REPLY_UNDECODED may come at once
+            if target is not None:  # before sending: REPLY_UNDECODED may come at once
                 self._replies_with_forks.remember((sender, message_id), target)
             self._send(sender, MessageKind.RESPONSE, message_id, encoded.body, encoded.buffers)
         except BaseException as exc:  # noqa: BLE001 - nothing was sent
-            if target.has_undo:  # (if it was remembered)
+            if target is not None:  # (it was remembered) undo what pickling registered
                 self._replies_with_forks.take((sender, message_id))
-            target.abort()  # undo what pickling registered (RRef forks)
+                target.abort()
             if isinstance(exc, PeerUnreachableError):
                 _log.warning("%s: cannot reply to worker %s: it is unreachable", self.name, sender)
             else:  # the error goes to the caller instead
@@ -255,16 +255,15 @@ class MessageDispatcher(ReplySettling):
             undecoded: tuple[Hashable, ...] | None = None
             request: IncomingRequest | None = None
             try:
-                with unpickling_from(sender.id) as source:
-                    try:
-                        payload = loads(parts[0], parts[1:])
-                    except DeserializationError:
-                        undecoded = tuple(source.taken_over)
-                        raise
+                try:
+                    payload, source = loads_from(sender.id, parts[0], parts[1:])
+                except DeserializationError as exc:
+                    undecoded = exc.taken_over
+                    raise
                 if message_id:  # what shutdown names if it gives up waiting for it
                     self._serving[(sender.id, message_id)] = (kind, payload, started)
                 first = payload[0] if type(payload) is tuple and payload else None
-                if source.pending:  # it waits: replies this thread queued go first
+                if source is not None and source.pending:  # it waits: queued replies go first
                     self.riders.settle_owed()
                     for waiter in source.pending:
                         waiter.wait()

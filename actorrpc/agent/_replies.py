@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DeserializationError, ProtocolError
 from ..protocol import MessageKind
-from ..serialization import PickleTarget, loads, unpickling_from
+from ..serialization import PickleTarget, loads_from
 from ._calls import IncomingRequest, PendingCall, RecentEntries
 from ._futures import complete
 from ._remote_exception import rebuild_exception
@@ -100,14 +100,12 @@ class ReplySettling:
     ) -> Any:
         """A reply's value. A RESPONSE that cannot be unpickled raises, after telling its
         sender (REPLY_UNDECODED, naming the forks rebuilt) so that it undoes the others."""
-        with unpickling_from(sender) as source:
-            try:
-                return loads(parts[0], parts[1:])
-            except DeserializationError:
-                if kind == MessageKind.RESPONSE:
-                    self.notify_soon(sender, MessageKind.REPLY_UNDECODED,
-                                     (message_id, tuple(source.taken_over)))
-                raise
+        try:
+            return loads_from(sender, parts[0], parts[1:])[0]
+        except DeserializationError as exc:
+            if kind == MessageKind.RESPONSE:
+                self.notify_soon(sender, MessageKind.REPLY_UNDECODED, (message_id, exc.taken_over))
+            raise
 
     def _handle_reply_undecoded(self, request: IncomingRequest) -> None:
         """A caller could not unpickle this worker's reply: undo the reply's other forks."""

@@ -240,6 +240,9 @@ class Header(NamedTuple):
     flags: int = 0
 
 
+_new_tuple = tuple.__new__
+
+
 def encode_header(
     kind: MessageKind, nbuffers: int, sender: int, message_id: int, flags: int = 0
 ) -> bytes:
@@ -286,7 +289,8 @@ def decode_header(frame: bytes | memoryview) -> Header:
             )
     elif size != HEADER_SIZE:
         raise ProtocolError(f"header frame has {size} bytes, expected {HEADER_SIZE}")
-    return Header(message_kind, nbuffers, sender, message_id, flags)
+    # (``tuple.__new__``: the named tuple's own ``__new__`` is a Python frame per message)
+    return _new_tuple(Header, (message_kind, nbuffers, sender, message_id, flags))
 
 
 _NOTIFICATION_RIDER_KINDS = frozenset({

@@ -6,10 +6,10 @@ from ._pickling import (
     current_pickle_target,
     current_unpickle_source,
     dumps,
+    dumps_for,
     loads,
-    pickling_for,
+    loads_from,
     register_reducer,
-    unpickling_from,
 )
 
 __all__ = [
@@ -18,8 +18,8 @@ __all__ = [
     "current_pickle_target",
     "current_unpickle_source",
     "dumps",
+    "dumps_for",
     "loads",
-    "pickling_for",
+    "loads_from",
     "register_reducer",
-    "unpickling_from",
 ]

@@ -30,7 +30,7 @@ import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import dill
 import torch
@@ -44,15 +44,14 @@ __all__ = [
     "current_pickle_target",
     "current_unpickle_source",
     "dumps",
+    "dumps_for",
     "loads",
-    "pickling_for",
+    "loads_from",
     "register_reducer",
-    "unpickling_from",
 ]
 
 Reducer = Callable[[Any], Any]
 _reducers: dict[type, Reducer] = {}
-_local = threading.local()
 
 
 class PickleTarget:
@@ -109,46 +108,89 @@ def register_reducer(cls: type, reducer: Reducer) -> None:
     _reducers[cls] = reducer
 
 
+class _Endpoints(threading.local):
+    """Where the bytes this thread pickles go and those it unpickles come from.
+
+    The :class:`PickleTarget` / :class:`UnpickleSource` is made only when a reducer
+    asks for it (an RRef's fork): most messages carry none, and each object made and
+    context entered costs Python calls on every message.
+    """
+
+    target: PickleTarget | None = None
+    target_rank: int | None = None
+    source: UnpickleSource | None = None
+    source_rank: int | None = None
+
+
+_local = _Endpoints()
+_Endpoint = TypeVar("_Endpoint", PickleTarget, UnpickleSource)
+
+
+def _made_on_demand(name: str, make: Callable[[int], _Endpoint]) -> _Endpoint | None:
+    """``_local``'s ``name`` (target or source), made for its rank on first demand."""
+    local = _local
+    made: _Endpoint | None = getattr(local, name)
+    rank: int | None = getattr(local, name + "_rank")
+    if made is None and rank is not None:
+        made = make(rank)
+        setattr(local, name, made)
+    return made
+
+
 def current_pickle_target() -> PickleTarget | None:
-    return getattr(_local, "target", None)
+    """The target of the bytes being pickled on this thread (None outside :func:`dumps_for`)."""
+    return _made_on_demand("target", PickleTarget)
 
 
 def current_unpickle_source() -> UnpickleSource | None:
-    return getattr(_local, "source", None)
+    """The source of the bytes being unpickled on this thread (None outside :func:`loads_from`)."""
+    return _made_on_demand("source", UnpickleSource)
 
 
-class pickling_for:  # noqa: N801 - used like a function: ``with pickling_for(rank):``
-    """Context manager: the bytes pickled on this thread go to worker ``worker_id``."""
+def dumps_for(
+    worker_id: int, obj: Any, what: str | Sequence[str] = "object"
+) -> tuple[bytes, list[memoryview], PickleTarget | None]:
+    """:func:`dumps` of bytes that go to worker ``worker_id``, and the
+    :class:`PickleTarget` of what pickling registered for them (None when nothing
+    was). If pickling fails, what it registered is undone before the error is raised.
+    """
+    local = _local
+    previous = local.target, local.target_rank
+    local.target, local.target_rank = None, worker_id
+    try:
+        body, buffers = dumps(obj, what)
+    except BaseException:
+        target = local.target
+        local.target, local.target_rank = previous
+        if target is not None:
+            target.abort()
+        raise
+    target = local.target
+    local.target, local.target_rank = previous
+    return body, buffers, target
 
-    __slots__ = ("_previous", "target")
 
-    def __init__(self, worker_id: int) -> None:
-        self.target = PickleTarget(worker_id)
+def loads_from(
+    worker_id: int, payload: Any, buffers: Sequence[Any] = ()
+) -> tuple[Any, UnpickleSource | None]:
+    """:func:`loads` of bytes from worker ``worker_id``, and the :class:`UnpickleSource`
+    that unpickling them needed (None when nothing asked for one).
 
-    def __enter__(self) -> PickleTarget:
-        self._previous = getattr(_local, "target", None)
-        _local.target = self.target
-        return self.target
-
-    def __exit__(self, *exc_info: object) -> None:
-        _local.target = self._previous
-
-
-class unpickling_from:  # noqa: N801 - used like a function: ``with unpickling_from(rank):``
-    """Context manager: the bytes unpickled on this thread come from worker ``worker_id``."""
-
-    __slots__ = ("_previous", "source")
-
-    def __init__(self, worker_id: int) -> None:
-        self.source = UnpickleSource(worker_id)
-
-    def __enter__(self) -> UnpickleSource:
-        self._previous = getattr(_local, "source", None)
-        _local.source = self.source
-        return self.source
-
-    def __exit__(self, *exc_info: object) -> None:
-        _local.source = self._previous
+    Raises:
+        DeserializationError: its ``taken_over`` names what this side took over before
+            the failure (see :class:`UnpickleSource`).
+    """
+    local = _local
+    previous = local.source, local.source_rank
+    local.source, local.source_rank = None, worker_id
+    try:
+        return loads(payload, buffers), local.source
+    except DeserializationError as exc:
+        source = local.source
+        exc.taken_over = () if source is None else tuple(source.taken_over)
+        raise
+    finally:
+        local.source, local.source_rank = previous
 
 
 # --- by-value code -------------------------------------------------------------
@@ -453,7 +495,7 @@ def dumps(obj: Any, what: str | Sequence[str] = "object") -> tuple[bytes, list[m
     except Exception as exc:
         culprit = _locate(obj, what)
         raise SerializationError(f"cannot pickle {culprit}: {type(exc).__name__}: {exc}") from exc
-    return payload, [b.raw() for b in buffers]
+    return payload, [b.raw() for b in buffers] if buffers else []
 
 
 def loads(payload: Any, buffers: Sequence[Any] = ()) -> Any:
