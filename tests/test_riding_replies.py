@@ -74,11 +74,11 @@ def test_a_queued_reply_is_due_after_reply_delay_and_the_io_thread_is_told() -> 
     assert before + REPLY_DELAY <= due <= time.monotonic() + REPLY_DELAY
     assert 0 < riders.seconds_to_due(time.monotonic()) <= REPLY_DELAY  # type: ignore[operator]
     riders.flush(now=due - 1e-4)  # not due yet
-    assert agent.carriers == [] and riders.pending
+    assert agent.carriers == [] and riders.queued
     riders.add_reply(1, 43, b"later")  # not earlier than what is queued: no second wake-up
     assert len(agent.wake_requests) == 1
     riders.flush(now=due)
-    assert agent.carriers == [1] and not riders.pending
+    assert agent.carriers == [1] and not riders.queued
     assert riders.seconds_to_due(time.monotonic()) is None
     assert riders.describe()["replies_deferred"] == 2
 
@@ -135,7 +135,7 @@ def test_replies_to_a_worker_that_left_are_dropped_with_no_send() -> None:
     agent, riders = _riders()
     riders.add_reply(3, 1, b"r")  # rank 3 is no member
     riders.settle_owed()
-    assert agent.carriers == [] and not riders.pending
+    assert agent.carriers == [] and not riders.queued
 
 
 def test_a_pool_thread_runs_before_wait_while_busy_before_it_blocks_and_exits() -> None:

@@ -1280,7 +1280,7 @@ def test_user_deletes_ride_on_the_next_message_to_the_owner(cluster, monkeypatch
     def all_deletes_queued_or_carried() -> bool:
         # an RRef lives on until the reply confirming its creation was handled, which
         # may come after to_here()'s reply; a liveness PING may carry some already
-        queued = len(agent.riders._queued.get(owner, []))
+        queued = len(agent.riders.queued.get(owner, []))
         return queued + agent.riders.carried - carried >= 20
 
     assert wait_until(all_deletes_queued_or_carried, WAIT)
@@ -1316,7 +1316,7 @@ def test_a_delete_riding_on_a_call_that_waits_for_it_is_still_applied(cluster, m
     carried = agent.riders.carried
     del rref
     owner = agent.resolve("worker1").id
-    assert wait_until(lambda: agent.riders._queued.get(owner), WAIT)  # queued, not sent
+    assert wait_until(lambda: agent.riders.queued.get(owner), WAIT)  # queued, not sent
     assert rpc.rpc_sync("worker1", owner_rrefs_drop_to, args=(before, 10.0))
     assert agent.riders.carried > carried
 
@@ -1334,7 +1334,7 @@ def test_queued_deletes_are_sent_alone_when_no_message_follows(cluster):
     del rref
     deadline = time.monotonic() + WAIT
     # alone, or on a message the agent sends by itself (a liveness ping)
-    while agent.riders.sent_alone + agent.riders.carried == left or agent.riders.pending:
+    while agent.riders.sent_alone + agent.riders.carried == left or agent.riders.queued:
         assert time.monotonic() < deadline, "the queued delete was never sent"
         threading.Event().wait(0.005)
     # it left before this call, on the same link: the owner applied it first

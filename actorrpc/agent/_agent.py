@@ -149,6 +149,7 @@ class Agent(MessageDispatcher):
         self.io_thread_ident: int | None = None
         self._handlers: dict[MessageKind, HandlerEntry] = {}
         self._hooks: list[CallHook] = []
+        self.serving_without_meta = False  # some hook may serve a call without meta
         self._shutdown_hooks: list[Callable[[float], None]] = []
         self._close_hooks: list[Callable[[bool], None]] = []
         self._pending: dict[int, PendingCall] = {}
@@ -258,6 +259,8 @@ class Agent(MessageDispatcher):
 
     def add_call_hook(self, hook: CallHook) -> None:
         self._hooks.append(hook)
+        if not getattr(hook, "serves_only_with_meta", False):
+            self.serving_without_meta = True
 
     def add_shutdown_hook(self, hook: Callable[[float], None]) -> None:
         """``hook(deadline)`` runs at the start of a graceful shutdown, before the barrier."""
@@ -401,7 +404,8 @@ class Agent(MessageDispatcher):
     ) -> _C:
         if isinstance(dest, GroupMember):
             dest = self.members.infos.get(dest.rank) or WorkerInfo(dest.name, dest.rank)
-        timeout = self.effective_timeout(timeout)
+        if timeout is None or timeout < 0:  # (effective_timeout, without a call per message)
+            timeout = self.options.rpc_timeout
         message_id = next(self._message_ids)
         future = make(lambda: f"{description or kind.name} on {dest.name}", self)
         self._pending[message_id] = PendingCall(
@@ -464,7 +468,7 @@ class Agent(MessageDispatcher):
             transform = hook.before_send(record)
             if transform is not None:
                 transforms.append(transform)
-        return record, compose_reply_transforms(transforms)
+        return record, compose_reply_transforms(transforms) if transforms else None
 
     def call(
         self,
@@ -481,7 +485,12 @@ class Agent(MessageDispatcher):
         """Run ``func(*args, **kwargs)`` on ``dest``; ``extra`` fields follow the meta dict
         (``hold``: see :meth:`send_request`). Returns a :class:`Future`, or what ``make``
         makes (:class:`CallResult` where nobody else will see it)."""
-        return self._call(make, dest, func, args, kwargs, timeout, kind, extra, hold)
+        record, on_result = self.prepare_call(dest, args, kwargs)
+        name = getattr(func, "__qualname__", None) or repr(func)
+        return self._send_request(
+            make, dest, kind, (func, record.args, record.kwargs, record.meta, *extra), timeout,
+            name, on_result, hold and not record.meta,
+        )
 
     def call_and_wait(
         self, dest: WorkerInfo, func: Callable[..., Any], args: tuple[Any, ...],
@@ -489,26 +498,7 @@ class Agent(MessageDispatcher):
     ) -> Any:
         """``call(...).wait()`` for a caller that only waits: its result needs no torch
         future (see :class:`CallResult`)."""
-        return self._call(CallResult, dest, func, args, kwargs, timeout).wait()
-
-    def _call(
-        self,
-        make: Callable[[Any, Agent], _C],
-        dest: WorkerInfo,
-        func: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float,
-        kind: MessageKind = MessageKind.CALL,
-        extra: tuple[Any, ...] = (),
-        hold: bool = False,
-    ) -> _C:
-        record, on_result = self.prepare_call(dest, args, kwargs)
-        name = getattr(func, "__qualname__", None) or repr(func)
-        return self._send_request(
-            make, dest, kind, (func, record.args, record.kwargs, record.meta, *extra), timeout,
-            name, on_result, hold and not record.meta,
-        )
+        return self.call(dest, func, args, kwargs, timeout, make=CallResult).wait()
 
     def _send(
         self, dest_rank: int, kind: MessageKind, message_id: int, body: bytes, buffers: list[Any]
@@ -529,7 +519,7 @@ class Agent(MessageDispatcher):
         shared = self.shared
         riders = self.riders
         link = self._transport.link(member.identity, member.endpoint)
-        if not buffers and not riders.pending:  # the common case: one frame if small
+        if not buffers and not riders.queued:  # the common case: one frame if small
             small = 0 < len(body) <= _INLINE_LIMIT  # then a copy costs less than a part
             link.send([encode_inline(kind, self.rank, message_id, body)] if small else
                       [encode_header(kind, 0, self.rank, message_id), body])
@@ -572,7 +562,7 @@ class Agent(MessageDispatcher):
         return (
             len(self._pending) <= self.liveness.pings_in_flight()
             and self._inflight == 0
-            and not self.riders.pending
+            and not self.riders.queued
         )
 
     def wait_idle(self, deadline: float) -> bool:

@@ -97,6 +97,8 @@ class CallHook(Protocol):
     ``serving`` returns a context manager entered on the callee around the
     function (it may edit ``call.args``/``call.kwargs`` on entry and
     ``call.result`` on exit), or None when the hook has nothing to do for this call.
+    A hook whose ``serving`` returns None for every call without meta may say so with
+    a true ``serves_only_with_meta`` attribute: then such calls skip the hooks.
     """
 
     def before_send(self, call: CallRecord) -> Callable[[Any], Any] | None: ...

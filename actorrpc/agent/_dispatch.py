@@ -97,6 +97,7 @@ class MessageDispatcher(ReplySettling):
     stats: WorkerStats
     _handlers: dict[MessageKind, HandlerEntry]
     _hooks: list[CallHook]
+    serving_without_meta: bool
     _members: dict[int, GroupMember]
     _infos: dict[int, WorkerInfo]
     _inflight: int
@@ -200,13 +201,15 @@ class MessageDispatcher(ReplySettling):
         if message_id == 0:  # a notification: never answered
             if isinstance(outcome, Failure):
                 self._notification_failed(sender, outcome.error)
-            self._run_after_reply(after_reply)
+            if after_reply is not None:
+                self._run_after_reply(after_reply)
             with self._inflight_lock:
                 self._inflight -= 1
             return
         try:
             if isinstance(outcome, (torch._C.Future, CallResult)):  # served until it completes
-                self._run_after_reply(after_reply)
+                if after_reply is not None:
+                    self._run_after_reply(after_reply)
                 outcome.add_done_callback(
                     lambda fut: self._finish_request(sender, message_id, outcome_of(fut))
                 )
@@ -217,14 +220,13 @@ class MessageDispatcher(ReplySettling):
                 self._reply(sender, message_id, outcome)
         except BaseException as exc:  # noqa: BLE001
             self._reply_exception(sender, message_id, exc)
-        self._run_after_reply(after_reply)
+        if after_reply is not None:
+            self._run_after_reply(after_reply)
         self._serving.pop((sender, message_id), None)
         with self._inflight_lock:
             self._inflight -= 1
 
-    def _run_after_reply(self, after_reply: Callable[[], None] | None) -> None:
-        if after_reply is None:
-            return
+    def _run_after_reply(self, after_reply: Callable[[], None]) -> None:
         try:
             after_reply()
         except Exception:  # noqa: BLE001 - the reply is gone: only a log can tell
@@ -269,12 +271,13 @@ class MessageDispatcher(ReplySettling):
                         waiter.wait()
                 else:
                     self.riders.before_request(kind, first)
-                # its CPU time (holding the GIL, not waiting for it), measured only in a burst
-                cpu_started = time.thread_time() if in_burst else 0.0
+                # its time, measured only in a burst: wall time, at least its CPU time (the
+                # thread's CPU clock is a system call here, twice per request)
+                started_at = time.perf_counter() if in_burst else 0.0
                 request = IncomingRequest(kind, sender, message_id, payload)
                 outcome = entry.handler(request)
                 self.riders.after_request(
-                    kind, first, time.thread_time() - cpu_started if in_burst else None
+                    kind, first, time.perf_counter() - started_at if in_burst else None
                 )
             except BaseException as exc:  # noqa: BLE001 - every failure is answered
                 outcome = Failure(exc, undecoded)
@@ -293,6 +296,8 @@ class MessageDispatcher(ReplySettling):
 
     def _handle_call(self, request: IncomingRequest) -> Any:
         func, args, kwargs, meta = request.payload[:4]
+        if not meta and not self.serving_without_meta:  # no hook has anything to do
+            return run_user_function(func, args, kwargs)
         return self.serve(
             request.sender,
             meta,

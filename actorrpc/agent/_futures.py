@@ -24,7 +24,9 @@ T = TypeVar("T")
 
 _log = logging.getLogger("actorrpc.agent")
 _LIVENESS_CHECK_INTERVAL = 1.0
+# torch.futures.Future's methods without their Python layer (a frame per call)
 _init_torch_future = torch._C.Future.__init__
+_torch_wait = torch._C.Future.wait
 
 
 class Completion:
@@ -100,8 +102,11 @@ class Future(torch.futures.Future, Completion, Generic[T]):  # type: ignore[misc
     """
 
     def __init__(self, description: Any = "", agent: Any = None) -> None:
-        _init_torch_future(self, [])  # torch.futures.Future.__init__ without its Python layer
+        _init_torch_future(self, [])
         self._init_completion(description, agent)
+
+    # (only complete() sets results; set_exception keeps torch's layer, which unwraps errors)
+    set_result = torch._C.Future.set_result  # type: ignore[assignment]
 
     def wait(self) -> T:
         """Block until the call completes; return its result or raise its error.
@@ -120,7 +125,7 @@ class Future(torch.futures.Future, Completion, Generic[T]):  # type: ignore[misc
         self._wait_done()
         if self._error is not None:
             raise _fresh(self._error)
-        return super().wait()  # type: ignore[no-any-return]
+        return _torch_wait(self)  # type: ignore[no-any-return]
 
     def __await__(self) -> Generator[Any, None, T]:
         import asyncio

@@ -37,7 +37,7 @@ reply leaves no later than:
   queue or takes a serving turn on the inbox, :meth:`Riders.settle_owed`), or
 * the moment its thread starts a request that is not known to be quick, that
   is, not of the kind and function of the last request it ran, or whose last run
-  took :data:`QUICK_REQUEST` seconds of CPU or more (:meth:`Riders.before_request`):
+  took :data:`QUICK_REQUEST` seconds or more (:meth:`Riders.before_request`):
   a request that holds the GIL would keep every other thread from sending it; or
 * :data:`REPLY_DELAY` seconds after it was queued, when its thread went on to a
   quick request that turned out slow (the I/O thread's timed work, woken by then,
@@ -69,8 +69,9 @@ request (the I/O thread looks this often anyway while the pool has queued work).
 QUICK_REQUEST = 0.001
 """A thread keeps the replies it queued while it runs a request of the kind and
 function of the last one it ran only when that one took less than this many seconds
-of CPU (while a thread computes, others wait for the GIL; while it sleeps or waits,
-the I/O thread can send the replies)."""
+(while a thread computes, others wait for the GIL). Wall time, measured around the
+request: at least its CPU time, so a request that sleeps or waits counts as slow too
+(only its replies leave sooner), and the thread's CPU clock is a system call here."""
 
 _FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType)
 
@@ -86,7 +87,9 @@ class Riders:
     def __init__(self, agent: Agent) -> None:
         self._agent = agent
         self._lock = threading.RLock()
-        self._queued: dict[int, _Queued] = {}
+        # what waits to ride, by rank (its truth, read without the lock, is a hint that
+        # something is queued: the send path reads it on every message)
+        self.queued: dict[int, _Queued] = {}
         self._due: dict[int, float] = {}  # rank -> when what is queued for it must leave
         # per thread: .ranks, where its queued replies go; .quick, (kind, function) of the
         # last request it ran if that was quick
@@ -95,15 +98,10 @@ class Riders:
         self.sent_alone = 0  # messages sent only to carry notifications that waited
         self.replies_deferred = 0  # replies queued to ride on a later message (statistics)
 
-    @property
-    def pending(self) -> bool:
-        """Whether any notification or reply is queued (read without the lock: a hint)."""
-        return bool(self._queued)
-
     def add(self, rank: int, kind: MessageKind, payload: Any) -> None:
         """Queue a notification of ``kind`` for worker ``rank`` (safe from finalizers)."""
         with self._lock:
-            self._queued.setdefault(rank, []).append((int(kind), 0, payload))
+            self.queued.setdefault(rank, []).append((int(kind), 0, payload))
             self._due.setdefault(rank, time.monotonic() + RIDER_DELAY)
 
     def add_reply(self, rank: int, message_id: int, body: bytes) -> None:
@@ -111,7 +109,7 @@ class Riders:
         pickled value, no buffers); this thread owes its flush (:meth:`settle_owed`)."""
         due = time.monotonic() + REPLY_DELAY
         with self._lock:
-            self._queued.setdefault(rank, []).append((int(MessageKind.RESPONSE), message_id, body))
+            self.queued.setdefault(rank, []).append((int(MessageKind.RESPONSE), message_id, body))
             earlier = due < self._due.get(rank, float("inf"))
             if earlier:
                 self._due[rank] = due
@@ -134,7 +132,7 @@ class Riders:
 
     def after_request(self, kind: int, first: Any, seconds: float | None) -> None:
         """This thread ran a request of ``kind`` whose payload starts with ``first`` (the
-        function, for a call) in ``seconds`` of its CPU time (None: not measured)."""
+        function, for a call) in ``seconds`` (None: not measured)."""
         quick = seconds is not None and seconds < QUICK_REQUEST and type(first) in _FUNCTION_TYPES
         # (an id: the thread keeps nothing of the request alive; a function's is stable)
         self._owed.quick = (kind, id(first)) if quick else None
@@ -152,16 +150,16 @@ class Riders:
         ranks = list(owed)
         owed.clear()
         for rank in ranks:
-            if rank in self._queued:
+            if rank in self.queued:
                 self._send_alone(rank)
 
     def take(self, rank: int) -> _Queued:
         """Everything queued for ``rank``, to go on a message to it (cheap when nothing is)."""
-        if rank not in self._queued:
+        if rank not in self.queued:
             return []
         with self._lock:
             self._due.pop(rank, None)
-            return self._queued.pop(rank, [])
+            return self.queued.pop(rank, [])
 
     def put_back(self, rank: int, queued: _Queued) -> None:
         """The message that was to carry ``queued`` was not sent: they go first next time."""
@@ -170,7 +168,7 @@ class Riders:
             due = time.monotonic() + (REPLY_DELAY if replies else RIDER_DELAY)
             with self._lock:
                 # in place: a finalizer may add to this list while this line runs
-                self._queued.setdefault(rank, [])[:0] = queued
+                self.queued.setdefault(rank, [])[:0] = queued
                 self._due[rank] = min(self._due.get(rank, float("inf")), due)
             if replies:
                 agent = self._agent
@@ -179,7 +177,7 @@ class Riders:
     def drop(self, rank: int) -> None:
         """Worker ``rank`` is gone: nothing queued for it will be sent."""
         with self._lock:
-            self._queued.pop(rank, None)
+            self.queued.pop(rank, None)
             self._due.pop(rank, None)
 
     @staticmethod
@@ -193,7 +191,7 @@ class Riders:
 
     def seconds_to_due(self, now: float) -> float | None:
         """Seconds until something queued must leave on a message of its own (None: nothing)."""
-        if not self._queued:
+        if not self.queued:
             return None
         with self._lock:
             return min(self._due.values(), default=now) - now
@@ -205,7 +203,7 @@ class Riders:
         The carrier is a ``PING`` notification (never answered) that takes
         everything queued for its worker along, in order, as any message would.
         """
-        if not self._queued:
+        if not self.queued:
             return
         if now is None:
             now = time.monotonic()
@@ -223,7 +221,7 @@ class Riders:
             agent.send_notification(rank, MessageKind.PING, ())
         except Exception as exc:  # noqa: BLE001 - the peer is gone or we are closing
             with self._lock:
-                count = len(self._queued.get(rank, ()))
+                count = len(self.queued.get(rank, ()))
             self.drop(rank)
             agent.warn(f"cannot send {count} notifications or replies to worker {rank}: {exc}")
         else:
@@ -231,6 +229,6 @@ class Riders:
 
     def describe(self) -> dict[str, int]:
         with self._lock:
-            queued = sum(len(q) for q in list(self._queued.values()))
+            queued = sum(len(q) for q in list(self.queued.values()))
         return {"queued": queued, "carried": self.carried, "sent_alone": self.sent_alone,
                 "replies_deferred": self.replies_deferred}

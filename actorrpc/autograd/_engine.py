@@ -151,6 +151,8 @@ def _pass_straight_to_leaves(leaves: tuple[torch.Tensor, ...], grads: list[Any])
 class AutogradEngine:
     """Distributed autograd on one agent: its contexts, call hook and message handlers."""
 
+    serves_only_with_meta = True  # (a call hook: ``serving`` needs the context id in meta)
+
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self.store = ContextStore(agent.rank)

@@ -158,16 +158,21 @@ def dumps_for(
     previous = local.target, local.target_rank
     local.target, local.target_rank = None, worker_id
     try:
-        body, buffers = dumps(obj, what)
-    except BaseException:
+        body, pickle_buffers = _dump(obj)  # (as dumps(), without a call more per message)
+    except BaseException as exc:
+        # named while the target is still this one (naming pickles parts again, which
+        # may register more: the target is read after it)
+        error = _pickling_error(obj, what, exc) if isinstance(exc, Exception) else exc
         target = local.target
         local.target, local.target_rank = previous
         if target is not None:
             target.abort()
-        raise
+        if error is exc:
+            raise
+        raise error from exc
     target = local.target
     local.target, local.target_rank = previous
-    return body, buffers, target
+    return body, [b.raw() for b in pickle_buffers] if pickle_buffers else [], target
 
 
 def loads_from(
@@ -184,11 +189,12 @@ def loads_from(
     previous = local.source, local.source_rank
     local.source, local.source_rank = None, worker_id
     try:
-        return loads(payload, buffers), local.source
-    except DeserializationError as exc:
+        return pickle.loads(payload, buffers=buffers), local.source  # (as loads())
+    except Exception as exc:
+        error = _unpickling_error(exc)
         source = local.source
-        exc.taken_over = () if source is None else tuple(source.taken_over)
-        raise
+        error.taken_over = () if source is None else tuple(source.taken_over)
+        raise error from exc
     finally:
         local.source, local.source_rank = previous
 
@@ -201,12 +207,6 @@ _by_value_cache: weakref.WeakKeyDictionary[Any, tuple[Any, bytes, bytes]] = (
 _rebuilt_cache: OrderedDict[bytes, Any] = OrderedDict()
 _rebuilt_lock = threading.Lock()
 _REBUILT_CACHE_SIZE = 512
-
-
-def _needs_by_value(obj: Any) -> bool:
-    module = getattr(obj, "__module__", None)
-    qualname = getattr(obj, "__qualname__", "")
-    return module in (None, "__main__") or "<lambda>" in qualname or "<locals>" in qualname
 
 
 def _load_by_value(blob: bytes) -> Any:
@@ -384,8 +384,12 @@ class _WirePickler(pickle.Pickler):
         reducer = _reducers.get(cls)
         if reducer is not None:
             return reducer(obj)
-        if (cls is types.FunctionType or isinstance(obj, type)) and _needs_by_value(obj):
-            return _reduce_by_value(obj)
+        if cls is types.FunctionType or isinstance(obj, type):
+            # by value: what the receiver cannot import by name (inline: a call per message)
+            module = getattr(obj, "__module__", None)
+            qualname = getattr(obj, "__qualname__", "")
+            if module in (None, "__main__") or "<lambda>" in qualname or "<locals>" in qualname:
+                return _reduce_by_value(obj)
         return NotImplemented
 
 
@@ -490,12 +494,17 @@ def dumps(obj: Any, what: str | Sequence[str] = "object") -> tuple[bytes, list[m
     """
     try:
         payload, buffers = _dump(obj)
-    except SerializationError:
-        raise
     except Exception as exc:
-        culprit = _locate(obj, what)
-        raise SerializationError(f"cannot pickle {culprit}: {type(exc).__name__}: {exc}") from exc
+        raise _pickling_error(obj, what, exc) from exc
     return payload, [b.raw() for b in buffers] if buffers else []
+
+
+def _pickling_error(obj: Any, what: str | Sequence[str], exc: Exception) -> SerializationError:
+    """The error to raise for ``obj`` that could not be pickled (``exc`` itself if it is one)."""
+    if isinstance(exc, SerializationError):
+        return exc
+    culprit = _locate(obj, what)
+    return SerializationError(f"cannot pickle {culprit}: {type(exc).__name__}: {exc}")
 
 
 def loads(payload: Any, buffers: Sequence[Any] = ()) -> Any:
@@ -507,4 +516,8 @@ def loads(payload: Any, buffers: Sequence[Any] = ()) -> Any:
     try:
         return pickle.loads(payload, buffers=buffers)
     except Exception as exc:
-        raise DeserializationError(f"cannot unpickle: {type(exc).__name__}: {exc}") from exc
+        raise _unpickling_error(exc) from exc
+
+
+def _unpickling_error(exc: Exception) -> DeserializationError:
+    return DeserializationError(f"cannot unpickle: {type(exc).__name__}: {exc}")

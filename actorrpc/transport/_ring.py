@@ -188,7 +188,13 @@ class RingWriter:
             total = _ONE_FRAME.size + len(first)
             if self._capacity - (head - self._words[_TAIL]) < total:
                 return False
-            head = self._copy_in(head, _ONE_FRAME.pack(self._sequence, 1, len(first)) + first)
+            record = _ONE_FRAME.pack(self._sequence, 1, len(first)) + first
+            start = head & (self._capacity - 1)
+            if start + total <= self._capacity:  # (_copy_in's common case, without a call)
+                self._data[start:start + total] = record
+                head += total
+            else:
+                head = self._copy_in(head, record)
         else:
             # (raw() gives the bytes of any contiguous buffer in memory order, as a socket
             # sends them)
@@ -213,7 +219,8 @@ class RingWriter:
         self._head = head
         self._sequence += 1
         self._words[_HEAD] = head  # publishes the record (after its bytes)
-        full_fence()  # (the store above is seen before the load below: module docstring)
+        with _fence_lock:  # full_fence(): the store above is seen before the load below
+            pass
         if self._words[_ASLEEP]:
             self._ring()
         return True
