@@ -174,3 +174,33 @@ def test_a_failed_registration_is_logged_and_the_request_still_finishes() -> Non
         assert rpc.rpc_sync("worker1", add, args=(1, 2)) == 3
     finally:
         rpc.rpc_sync("worker1", _restore)
+
+
+class Echoer:
+    def echo(self, value: Any) -> Any:
+        return value
+
+
+def _refuse(message: str) -> None:
+    raise ValueError(message)
+
+
+class RefusedOnArrival:
+    """Pickles; unpickling it fails (as on any worker)."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse, ("cannot be rebuilt here",))
+
+
+@pytest.mark.usefixtures("gate")
+def test_a_proxy_call_skipped_before_the_value_is_entered_keeps_the_order() -> None:
+    # per-caller FIFO: a call whose payload does not unpickle on the owner skips its
+    # sequence number; here it does so while the owner has not entered the value yet
+    rref = rpc.remote("worker1", Echoer, timeout=10)
+    refused = rref.rpc_async(timeout=10).echo(RefusedOnArrival())
+    with pytest.raises(Exception, match="cannot be rebuilt here"):
+        refused.wait()
+    following = rref.rpc_async(timeout=10).echo(7)  # waits for the value, not for ever
+    _on_worker1(_open_gate)
+    assert following.wait() == 7
+    assert rref.rpc_sync(timeout=10).echo(8) == 8

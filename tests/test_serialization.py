@@ -731,3 +731,34 @@ def test_loads_from_reports_what_it_took_over_before_a_failure() -> None:
         loads_from(5, body, buffers)
     assert failure.value.taken_over == ("kept", "refuse")
     assert current_unpickle_source() is None
+
+
+class _Unnameable:
+    """Neither pickles nor shows itself: naming the culprit fails too."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("no pickling")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr either")
+
+
+@pytest.mark.usefixtures("registering_reducer")
+def test_dumps_for_undoes_and_restores_even_when_naming_the_culprit_fails() -> None:
+    from actorrpc.serialization import current_pickle_target, dumps_for
+
+    with pytest.raises(RuntimeError, match="no repr either"):
+        dumps_for(3, (_Registers("e"), _Unnameable()), ("first", "second"))
+    assert "e" in _UNDONE and current_pickle_target() is None
+
+
+def test_a_serialization_error_from_a_reducer_is_raised_as_it_is() -> None:
+    from actorrpc.errors import SerializationError
+
+    class Refuses:
+        def __reduce__(self) -> Any:
+            raise SerializationError("refused by its reducer")
+
+    with pytest.raises(SerializationError, match="refused by its reducer") as caught:
+        dumps([Refuses()])
+    assert caught.value.__cause__ is not caught.value

@@ -43,9 +43,11 @@ class IncomingRequest:
     """A decoded request handed to a registered handler.
 
     ``after_reply``: set by a handler to work the request needs done but its reply need
-    not wait for (bookkeeping); the serving thread runs it once the reply is handed to
-    the link (or queued to ride), before the request counts as served, and an error it
-    raises is logged. A handler whose outcome is a future has it run at once.
+    not wait for (bookkeeping); the thread that served the request runs it once the
+    reply is handed to the link (or queued to ride), before the request counts as
+    served, and an error it raises is logged. A handler whose outcome is a future has it
+    run at once. (Notifications riding on another message go to inline handlers, which
+    do not set it.)
     """
 
     kind: MessageKind

@@ -220,11 +220,13 @@ class MessageDispatcher(ReplySettling):
                 self._reply(sender, message_id, outcome)
         except BaseException as exc:  # noqa: BLE001
             self._reply_exception(sender, message_id, exc)
-        if after_reply is not None:
-            self._run_after_reply(after_reply)
-        self._serving.pop((sender, message_id), None)
-        with self._inflight_lock:
-            self._inflight -= 1
+        try:
+            if after_reply is not None:
+                self._run_after_reply(after_reply)
+        finally:  # (the request counts as served whatever happens)
+            self._serving.pop((sender, message_id), None)
+            with self._inflight_lock:
+                self._inflight -= 1
 
     def _run_after_reply(self, after_reply: Callable[[], None]) -> None:
         try:

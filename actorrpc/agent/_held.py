@@ -72,10 +72,12 @@ switch interval)."""
 class HeldRequest:
     """An encoded request waiting to be sent (see the module docstring)."""
 
-    __slots__ = ("body", "buffers", "dest_rank", "future", "kind", "message_id", "undo")
+    __slots__ = ("body", "buffers", "dest_rank", "future", "kind", "message_id", "thread",
+                 "undo")
 
     def __init__(self, dest_rank: int, kind: MessageKind, message_id: int, body: bytes,
                  buffers: list[Any], undo: PickleTarget | None, future: Any) -> None:
+        self.thread = threading.get_ident()  # the thread that made it
         self.dest_rank = dest_rank
         self.kind = kind
         self.message_id = message_id
@@ -119,6 +121,14 @@ class HeldRequests:
             self._held, self._due, self.pending = request, due, True
         agent = self._agent
         agent.inbox.wake_io_by(due, agent._transport.wake)
+
+    def held_here(self, future: Any) -> bool:
+        """Whether ``future``'s request is held and was made by this thread (which then
+        made no call since: a call would have sent it)."""
+        held = self._held
+        return held is not None and held.future is future and (
+            held.thread == threading.get_ident()
+        )
 
     def release_on_next_call(self, future: Any, merging: CodeType) -> None:
         """Send ``future``'s held request at this thread's next function call, unless

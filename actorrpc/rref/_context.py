@@ -261,7 +261,8 @@ class OwnerState:
             try:
                 callback()
             except Exception:  # noqa: BLE001 - as torch's futures: logged, the others still run
-                _log.exception("a callback waiting for the value of RRef %r failed", self.rref_id)
+                _log.exception("a callback waiting for the value of RRef %s failed",
+                              format_id(self.rref_id))
 
     def when_ready(self, callback: Callable[[], None]) -> None:
         """Run ``callback()`` once the value or error is set (now, if it is)."""
@@ -316,6 +317,8 @@ class RRefContext:
             weakref.WeakValueDictionary()
         )
         self.call_sequences: dict[RRefId, Any] = {}  # caller side, see _proxy.py
+        # owner side, see _proxy.py: sequence numbers skipped before the value was entered
+        self.early_skips: OrderedDict[tuple[RRefId, int], list[int]] = OrderedDict()
         self.closed = False
 
     def new_id(self) -> RRefId:

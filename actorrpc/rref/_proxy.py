@@ -20,7 +20,9 @@ Invariants:
   become the call's result in order), or, when the call dies before
   :func:`invoke_method` (its payload did not unpickle, or the serving failed),
   the number's :class:`_Ticket` is freed unclaimed and skips it, so later calls
-  never wait forever for it.
+  never wait forever for it. A number skipped before the owner entered the value
+  (it does so after replying to the creation) is kept in ``early_skips`` and
+  applied when the value's queue for that caller is made (both under one lock).
 """
 
 from __future__ import annotations
@@ -93,11 +95,27 @@ class _Ticket:
         if self.claimed or self._ctx is None:
             return
         try:
-            state = self._ctx.local_states.get(self.rref_id)
-            if state is not None:
-                _submit(_queue(state, self.caller), self.seq, None)
+            _skip(self._ctx, self.rref_id, self.caller, self.seq)
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
+
+
+EARLY_SKIP_LIMIT = 4096
+"""Skipped numbers kept for values not yet entered on their owner (oldest dropped first)."""
+
+
+def _skip(ctx: RRefContext, rref_id: RRefId, caller: int, seq: int) -> None:
+    """Skip number ``seq`` of ``caller``'s calls on ``rref_id``: now, or, when the owner has
+    not entered the value yet (it does so after replying to its creation), once it has."""
+    with _sequences_lock:  # (a queue made meanwhile takes the kept numbers under it)
+        state = ctx.local_states.get(rref_id)
+        if state is None:
+            skips = ctx.early_skips
+            skips.setdefault((rref_id, caller), []).append(seq)
+            while len(skips) > EARLY_SKIP_LIMIT:
+                skips.popitem(last=False)
+            return
+    _submit(_queue(ctx, state, caller), seq, None)
 
 
 class _ActorQueue:
@@ -109,11 +127,15 @@ class _ActorQueue:
         self.waiting: dict[int, Callable[[], None] | None] = {}  # None: a skipped number
 
 
-def _queue(state: OwnerState, caller: int) -> _ActorQueue:
+def _queue(ctx: RRefContext, state: OwnerState, caller: int) -> _ActorQueue:
     with state.actor_lock:
         queue: _ActorQueue | None = state.actor_queues.get(caller)
         if queue is None:
             queue = state.actor_queues[caller] = _ActorQueue()
+            with _sequences_lock:
+                skipped = ctx.early_skips.pop((state.rref_id, caller), [])
+            for seq in skipped:  # (a new queue runs nothing: this only moves its numbers)
+                _submit(queue, seq, None)
         return queue
 
 
@@ -172,7 +194,7 @@ def invoke_method(rref: RRef[Any], name: str, args: Any, kwargs: Any, ticket: An
         run()
     else:
         ticket.claimed = True
-        queue = _queue(state, ticket.caller)
+        queue = _queue(rref_context(rref._agent), state, ticket.caller)
         if state.is_ready() and getattr(_value_or_none(state), "__actorrpc_concurrent__", False):
             _submit(queue, ticket.seq, None)
             run()

@@ -226,14 +226,18 @@ class RRef(Generic[T]):
         if self._creation_error is not None:
             raise copy_exception(self._creation_error)
         creation = self._creation_future
-        if creation is not None and agent.held.pending:
-            # remote()'s request may still be held: then no call hook had anything for it
-            # (a request is held only then), and no call since changed what they see (any
+        if creation is not None and agent.held.held_here(creation):
+            # remote()'s request, held by this thread: no call hook had anything for it
+            # (a request is held only then) and no call since changed what they see (any
             # call would have sent it), so the fetch goes with it without asking them
             fetched = _fetch_with_creation(self, creation, effective)
             if fetched is not _NOT_HELD:
                 return fetched  # type: ignore[no-any-return]
         record, on_result = agent.prepare_call(self._owner, (), {})
+        if creation is not None and not record.meta and on_result is None:
+            fetched = _fetch_with_creation(self, creation, effective)  # another thread's
+            if fetched is not _NOT_HELD:
+                return fetched  # type: ignore[no-any-return]
         if creation is not None:  # (the hook let this call by: remote()'s request goes first)
             agent.held.release(creation)
         future = agent.send_request(  # the owner bounds its wait by the same timeout
@@ -475,7 +479,7 @@ def _rebuild_rref(
     def acknowledged(done: Any) -> None:
         _, error = settle(done)
         if error is not None:  # the owner refused or is gone; still release the parent
-            _log.warning("fork request for %s failed: %s", rref_id, error)
+            _log.warning("fork request for %s failed: %s", format_id(rref_id), error)
         ctx.fork_acknowledged(fork_id, parent)
 
     confirmed = request.then(acknowledged)

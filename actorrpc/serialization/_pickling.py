@@ -160,13 +160,13 @@ def dumps_for(
     try:
         body, pickle_buffers = _dump(obj)  # (as dumps(), without a call more per message)
     except BaseException as exc:
-        # named while the target is still this one (naming pickles parts again, which
-        # may register more: the target is read after it)
-        error = _pickling_error(obj, what, exc) if isinstance(exc, Exception) else exc
-        target = local.target
-        local.target, local.target_rank = previous
-        if target is not None:
-            target.abort()
+        try:  # named while the target is still this one (naming pickles parts again)
+            error = _pickling_error(obj, what, exc) if isinstance(exc, Exception) else exc
+        finally:  # (also when naming fails: what was registered is undone all the same)
+            target = local.target
+            local.target, local.target_rank = previous
+            if target is not None:
+                target.abort()
         if error is exc:
             raise
         raise error from exc
@@ -495,7 +495,10 @@ def dumps(obj: Any, what: str | Sequence[str] = "object") -> tuple[bytes, list[m
     try:
         payload, buffers = _dump(obj)
     except Exception as exc:
-        raise _pickling_error(obj, what, exc) from exc
+        error = _pickling_error(obj, what, exc)
+        if error is exc:
+            raise
+        raise error from exc
     return payload, [b.raw() for b in buffers] if buffers else []
 
 
