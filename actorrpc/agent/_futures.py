@@ -33,15 +33,17 @@ class Completion:
     """What the agent completes (:func:`complete`) and a caller waits for: the state and
     waiting :class:`Future` and :class:`CallResult` share."""
 
+    # (class defaults, set on the instance when they change: fewer stores per message)
+    _done = False
+    _error: BaseException | None = None
+    _receiver: int | None = None  # the thread receiving on the inbox for this future
+    _blocked = False  # a thread blocks on the gate (another thread completes it)
+
     def _init_completion(self, description: Any, agent: Any) -> None:
-        self._done = False
-        self._error: BaseException | None = None
         self._gate = _thread.allocate_lock()  # released once, when the future completes
         self._gate.acquire()
         self._description = description  # a str, or a callable that makes one when needed
         self._agent = agent
-        self._receiver: int | None = None  # the thread receiving on the inbox for this future
-        self._blocked = False  # a thread blocks on the gate (another thread completes it)
 
     def set_result(self, value: Any) -> None:
         raise NotImplementedError
@@ -155,7 +157,11 @@ class CallResult(Completion, Generic[T]):
     completing and reading one are three torch calls, ~20 µs between messages)."""
 
     def __init__(self, description: Any = "", agent: Any = None) -> None:
-        self._init_completion(description, agent)
+        # (Completion._init_completion inline: several are made per message in backward)
+        self._gate = _thread.allocate_lock()
+        self._gate.acquire()
+        self._description = description
+        self._agent = agent
         self._value: Any = None
         self._claim = _thread.allocate_lock()  # taken by the one completion (as torch's raises)
         self._callbacks: list[Callable[[CallResult[T]], None]] = []
@@ -163,7 +169,7 @@ class CallResult(Completion, Generic[T]):
     def add_done_callback(self, callback: Callable[[CallResult[T]], None]) -> None:
         """Run ``callback(self)`` once completed (at once if it is), as torch's futures do."""
         self._callbacks.append(callback)
-        if self.done():
+        if self._done and not self._gate.locked():  # (done())
             self._run_callbacks()
 
     def _run_callbacks(self) -> None:
@@ -181,7 +187,8 @@ class CallResult(Completion, Generic[T]):
                 _log.exception("a CallResult callback failed")
 
     def set_result(self, value: Any) -> None:
-        self._take_claim()
+        if not self._claim.acquire(blocking=False):  # (_take_claim)
+            raise RuntimeError("the call's result was set already")
         self._value = value
 
     def set_exception(self, error: BaseException) -> None:

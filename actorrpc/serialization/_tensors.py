@@ -102,23 +102,34 @@ def _strided_parts(array: _Array) -> tuple[_Array, tuple[int, ...]] | None:
     are those of the copy, 0 on broadcast axes). None when the elements overlap so much
     that the memory they span is smaller than their number: the span travels then.
     """
+    # (loops, not generators: each generator is a Python frame, and this runs per message)
     strides = array.strides
-    if any(stride < 0 for stride in strides):
-        return None
-    broadcast = [stride == 0 for stride in strides]
-    once = array[tuple(slice(0, 1) if cut else slice(None) for cut in broadcast)]
     itemsize = array.itemsize
-    order = sorted(range(once.ndim), key=lambda axis: -once.strides[axis])
+    index: list[slice] = []
+    for stride in strides:
+        if stride < 0:
+            return None
+        index.append(_FIRST if stride == 0 else _ALL)
+    once = array[tuple(index)]
+    once_strides = once.strides
+    order = sorted(range(once.ndim), key=once_strides.__getitem__, reverse=True)
     elements = once.transpose(order)
     if elements.flags.c_contiguous:
-        return elements, tuple(stride // itemsize for stride in strides)
-    span = 1 + sum((n - 1) * stride for n, stride in zip(once.shape, once.strides)) // itemsize
-    if span < once.size:
+        return elements, tuple([stride // itemsize for stride in strides])
+    span = 0
+    for n, stride in zip(once.shape, once_strides):
+        span += (n - 1) * stride
+    if 1 + span // itemsize < once.size:
         return None
     compact = np.ascontiguousarray(once)
-    return compact, tuple(
-        0 if cut else stride // itemsize for cut, stride in zip(broadcast, compact.strides)
-    )
+    element_strides = []
+    for stride, compact_stride in zip(strides, compact.strides):
+        element_strides.append(0 if stride == 0 else compact_stride // itemsize)
+    return compact, tuple(element_strides)
+
+
+_FIRST = slice(0, 1)
+_ALL = slice(None)
 
 
 def _finish(tensor: torch.Tensor, flags: int) -> torch.Tensor:
@@ -140,7 +151,8 @@ def _rebuild_from_strided_array(
     """The tensor of the strided array form (see the module docstring). numpy refuses
     strides that reach beyond ``data``."""
     dtype = _ARRAY_DTYPES[code]
-    byte_strides = tuple(stride * dtype.itemsize for stride in strides)
+    itemsize = dtype.itemsize
+    byte_strides = tuple([stride * itemsize for stride in strides])
     array: np.ndarray[Any, Any] = np.ndarray(shape, dtype, buffer=data, strides=byte_strides)
     return _finish(torch.from_numpy(array), flags)
 
