@@ -357,7 +357,10 @@ class MessageDispatcher(ReplySettling):
         if member is None or member.identity != identity:
             self.warn(f"dropped a message claiming to be rank {header.sender}: unknown sender")
             return
-        self.liveness.heard_from(header.sender, member.name)
+        liveness = self.liveness
+        liveness.last_seen[header.sender] = time.monotonic()  # (heard_from, in the common case)
+        if header.sender in liveness.dead_peers:
+            liveness.heard_from(header.sender, member.name)
         self.stats.bytes_in[header.sender] += (
             len(frames[0]) if len(frames) == 1 else sum(len(f) for f in frames)
         )
@@ -387,7 +390,11 @@ class MessageDispatcher(ReplySettling):
                         later.append((kind, body))
                     else:
                         self._on_riding_notification(kind, header.sender, body)
-            parts = self.shared.incoming(header, frames)
+            if not header.nbuffers and len(frames) == 1:  # (incoming()'s common case inline)
+                payload = frames[0]
+                parts = [payload if type(payload) is memoryview else payload.buffer]
+            else:
+                parts = self.shared.incoming(header, frames)
         except ProtocolError as error:
             self._serve_riders(header.sender, later or ())  # (the request is refused)
             pending = self._pending.get(header.message_id)
