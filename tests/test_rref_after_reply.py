@@ -204,3 +204,18 @@ def test_a_proxy_call_skipped_before_the_value_is_entered_keeps_the_order() -> N
     _on_worker1(_open_gate)
     assert following.wait() == 7
     assert rref.rpc_sync(timeout=10).echo(8) == 8
+
+
+def test_a_ticket_freed_under_the_proxy_lock_only_queues_its_skip() -> None:
+    # the collector may free a ticket anywhere, even while its thread holds the lock the
+    # skip takes: the finalizer only queues the skip (I/O thread, then the pool)
+    from actorrpc.rref import _proxy
+
+    never = (0, 10**9)  # an RRef this worker does not own: the skip is kept for it
+    ctx = rref_context()
+    ticket = _proxy._Ticket(never, 1, 0)
+    with _proxy._sequences_lock:
+        del ticket
+    wait_for(lambda: ctx.early_skips.get((never, 1)) == [0], WAIT, "the skip kept")
+    with _proxy._sequences_lock:
+        ctx.early_skips.pop((never, 1), None)

@@ -199,20 +199,24 @@ class MessageDispatcher(ReplySettling):
         after_reply: Callable[[], None] | None = None,
     ) -> None:
         if message_id == 0:  # a notification: never answered
-            if isinstance(outcome, Failure):
-                self._notification_failed(sender, outcome.error)
-            if after_reply is not None:
-                self._run_after_reply(after_reply)
-            with self._inflight_lock:
-                self._inflight -= 1
+            try:
+                if isinstance(outcome, Failure):
+                    self._notification_failed(sender, outcome.error)
+                if after_reply is not None:
+                    self._run_after_reply(after_reply)
+            finally:
+                with self._inflight_lock:
+                    self._inflight -= 1
             return
         try:
             if isinstance(outcome, (torch._C.Future, CallResult)):  # served until it completes
-                if after_reply is not None:
-                    self._run_after_reply(after_reply)
-                outcome.add_done_callback(
-                    lambda fut: self._finish_request(sender, message_id, outcome_of(fut))
-                )
+                try:
+                    if after_reply is not None:
+                        self._run_after_reply(after_reply)
+                finally:
+                    outcome.add_done_callback(
+                        lambda fut: self._finish_request(sender, message_id, outcome_of(fut))
+                    )
                 return
             if isinstance(outcome, Failure):
                 self._reply_exception(sender, message_id, outcome.error, outcome.undecoded)

@@ -300,13 +300,15 @@ class InboxTurns:
 
     def _end_turn(self, started: float, coming_back: bool) -> None:
         """Give the inbox up; the I/O thread backs off if this thread comes back soon,
-        and is woken if it does not, if a waiter blocks or if the turn was long."""
+        and is woken if it does not, if a waiter blocks, if the turn was long, or while it
+        stays on the inbox (:meth:`stay`: it may have slept through this turn)."""
         self.holder = None
         ended = time.monotonic()
         if coming_back:
             self._handed_off_at = ended
         self.lock.release()
-        if not coming_back or self.blocked_waiters or ended - started >= LONG_TURN_SECONDS:
+        if (not coming_back or self.blocked_waiters or ended - started >= LONG_TURN_SECONDS
+                or ended < self._no_backoff_until):  # (staying: messages wait for it, stay())
             self.resume()
 
     # -- a waiting thread -------------------------------------------------------------------

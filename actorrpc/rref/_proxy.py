@@ -19,8 +19,9 @@ Invariants:
   owner is used exactly once: the call runs (its errors, even a missing method,
   become the call's result in order), or, when the call dies before
   :func:`invoke_method` (its payload did not unpickle, or the serving failed),
-  the number's :class:`_Ticket` is freed unclaimed and skips it, so later calls
-  never wait forever for it. A number skipped before the owner entered the value
+  the number's :class:`_Ticket` is freed unclaimed and skips it (its finalizer
+  queues the skip for the I/O thread, which hands it to the pool: a finalizer takes
+  no lock and runs no calls), so later calls never wait forever for it. A number skipped before the owner entered the value
   (it does so after replying to the creation) is kept in ``early_skips`` and
   applied when the value's queue for that caller is made (both under one lock).
 """
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..agent import current_agent
+from ..agent import Agent, current_agent
 from ._context import (
     OwnerState,
     RRefContext,
@@ -87,15 +88,21 @@ class _Ticket:
         self.seq = seq
         self.claimed = False
         try:
-            self._ctx: RRefContext | None = rref_context(current_agent())
+            self._agent: Agent | None = current_agent()
+            self._ctx: RRefContext | None = rref_context(self._agent)
         except Exception:  # noqa: BLE001 - unpickled outside an agent: nothing to skip
-            self._ctx = None
+            self._agent = self._ctx = None
 
     def __del__(self) -> None:
-        if self.claimed or self._ctx is None:
+        # A finalizer runs wherever the collector does, perhaps under the locks the skip
+        # takes, and the skip may run the calls waiting behind this number: so it is only
+        # queued here (safe from a finalizer), and the I/O thread hands it to the pool.
+        if self.claimed or self._agent is None or self._ctx is None:
             return
         try:
-            _skip(self._ctx, self.rref_id, self.caller, self.seq)
+            self._agent.call_soon(
+                self._agent.submit, _skip, self._ctx, self.rref_id, self.caller, self.seq
+            )
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
 
