@@ -21,9 +21,10 @@ Invariants:
   :func:`invoke_method` (its payload did not unpickle, or the serving failed),
   the number's :class:`_Ticket` is freed unclaimed and skips it (its finalizer
   queues the skip for the I/O thread, which hands it to the pool: a finalizer takes
-  no lock and runs no calls), so later calls never wait forever for it. A number skipped before the owner entered the value
-  (it does so after replying to the creation) is kept in ``early_skips`` and
-  applied when the value's queue for that caller is made (both under one lock).
+  no lock and runs no calls), so later calls never wait forever for it. A number
+  skipped before the owner entered the value (it does so after replying to the
+  creation) is kept in ``early_skips`` and applied when the value's queue for that
+  caller is made (both under one lock).
 """
 
 from __future__ import annotations
