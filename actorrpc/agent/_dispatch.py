@@ -394,7 +394,7 @@ class MessageDispatcher(ReplySettling):
                         later.append((kind, body))
                     else:
                         self._on_riding_notification(kind, header.sender, body)
-            if not header.nbuffers and len(frames) == 1:  # (incoming()'s common case inline)
+            if not header.nbuffers and len(frames) == 1:  # the common case: a payload alone
                 payload = frames[0]
                 parts = [payload if type(payload) is memoryview else payload.buffer]
             else:

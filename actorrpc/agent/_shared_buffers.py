@@ -74,10 +74,8 @@ class SharedBuffers:
         self.pool.release(lent, rank)
 
     def incoming(self, header: Header, frames: list[Any]) -> list[Any]:
-        """The payload and buffers of a message, mapping shared-memory ones."""
-        if not header.nbuffers and len(frames) == 1:  # the common case: a payload alone
-            payload = frames[0]
-            return [payload if type(payload) is memoryview else payload.buffer]
+        """The payload and buffers of a message that has more than its payload, mapping
+        shared-memory ones (a payload alone the dispatcher takes as it is)."""
         shared = header.flags & FLAG_SHARED_MEMORY
         if len(frames) != 1 + header.nbuffers + (1 if shared else 0):
             carried = len(frames) - 1 - (1 if shared else 0)
