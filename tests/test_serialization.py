@@ -744,12 +744,22 @@ class _Unnameable:
 
 
 @pytest.mark.usefixtures("registering_reducer")
-def test_dumps_for_undoes_and_restores_even_when_naming_the_culprit_fails() -> None:
+def test_a_culprit_that_cannot_be_shown_is_still_named_and_its_forks_undone() -> None:
+    from actorrpc.errors import SerializationError
     from actorrpc.serialization import current_pickle_target, dumps_for
 
-    with pytest.raises(RuntimeError, match="no repr either"):
+    with pytest.raises(SerializationError, match="second = <an object whose repr"):
         dumps_for(3, (_Registers("e"), _Unnameable()), ("first", "second"))
     assert "e" in _UNDONE and current_pickle_target() is None
+    with pytest.raises(SerializationError, match="cannot pickle <an object whose repr"):
+        dumps({_Unnameable(): 1})  # a dict that cannot be shown either
+    with pytest.raises(SerializationError, match=r"object\[<an object whose repr.*_thread.lock"):
+        dumps({_UnshownKey(): threading.Lock()})  # the path to the culprit names its key
+
+
+class _UnshownKey:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
 
 
 def test_a_serialization_error_from_a_reducer_is_raised_as_it_is() -> None:

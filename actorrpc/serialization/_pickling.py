@@ -393,8 +393,14 @@ class _WirePickler(pickle.Pickler):
         return NotImplemented
 
 
+_PLAIN_KEYS = (str, int, float, bool, bytes, type(None))
+
+
 def _describe(obj: Any) -> str:
-    text = repr(obj)
+    try:
+        text = repr(obj)
+    except Exception as exc:  # noqa: BLE001 - the error names the culprit all the same
+        text = f"<an object whose repr() raised {type(exc).__name__}>"
     if len(text) > 120:
         text = text[:117] + "..."
     return f"{text} (type {type(obj).__module__}.{type(obj).__qualname__})"
@@ -406,7 +412,8 @@ def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> str | None:
     if depth < 4 and isinstance(obj, (list, tuple)):
         items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
     elif depth < 4 and isinstance(obj, dict):
-        items = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+        items = [(f"{path}[{_describe(k) if type(k) not in _PLAIN_KEYS else repr(k)}]", v)
+                 for k, v in obj.items()]
     for sub_path, value in items:
         try:
             _dump(value)
