@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from ..agent import Agent, Future, WorkerInfo, complete, current_agent
+from ..agent import Agent, CallRecord, Future, WorkerInfo, complete, current_agent
 from ..agent._remote_exception import rebuild_exception
 from ..errors import RpcTimeoutError, RRefError, SerializationError
 from ..protocol import MessageKind
@@ -226,18 +227,20 @@ class RRef(Generic[T]):
         if self._creation_error is not None:
             raise copy_exception(self._creation_error)
         creation = self._creation_future
-        if creation is not None and agent.held.held_here(creation):
-            # remote()'s request, held by this thread: no call hook had anything for it
-            # (a request is held only then) and no call since changed what they see (any
-            # call would have sent it), so the fetch goes with it without asking them
+        record: CallRecord | None = None
+        on_result: Callable[[Any], Any] | None = None
+        # remote()'s request held by this thread: no call hook had anything for it (a
+        # request is held only then) and no call since changed what they see (any call
+        # would have sent it), so the fetch may go with it without asking them; with
+        # another thread's (or none), the hooks are asked first
+        if creation is None or not agent.held.held_here(creation):
+            record, on_result = agent.prepare_call(self._owner, (), {})
+        if creation is not None and (record is None or (not record.meta and on_result is None)):
             fetched = _fetch_with_creation(self, creation, effective)
             if fetched is not _NOT_HELD:
                 return fetched  # type: ignore[no-any-return]
-        record, on_result = agent.prepare_call(self._owner, (), {})
-        if creation is not None and not record.meta and on_result is None:
-            fetched = _fetch_with_creation(self, creation, effective)  # another thread's
-            if fetched is not _NOT_HELD:
-                return fetched  # type: ignore[no-any-return]
+        if record is None:  # (still held by this thread, but with another timeout)
+            record, on_result = agent.prepare_call(self._owner, (), {})
         if creation is not None:  # (the hook let this call by: remote()'s request goes first)
             agent.held.release(creation)
         future = agent.send_request(  # the owner bounds its wait by the same timeout
