@@ -14,7 +14,13 @@ import torch
 
 import actorrpc as rpc
 from actorrpc.agent import current_agent
-from actorrpc.agent._inbox import BACKOFF_SECONDS, LONG_TURN_SECONDS, InboxTurns
+from actorrpc.agent._inbox import (
+    BACKOFF_SECONDS,
+    CLOSE_TURNS_SECONDS,
+    LONG_TURN_SECONDS,
+    MAX_LOOK_SECONDS,
+    InboxTurns,
+)
 from actorrpc.errors import ActorRpcError, RpcTimeoutError
 
 from ._cluster import run_script
@@ -159,12 +165,70 @@ def test_io_thread_backs_off_only_after_serving_a_waiter() -> None:
     turns.hand_off()
     assert 0 < turns.io_pause(time.monotonic()) <= BACKOFF_SECONDS
     assert turns.io_pause(time.monotonic() + 2 * BACKOFF_SECONDS) == 0.0  # not back: take it
-    turns._turn_started = now = time.monotonic()
-    turns.holder = threading.get_ident()  # a waiter receives
+    now = turns._begin_turn(SimpleNamespace(_running=True))  # type: ignore[arg-type,assignment]
+    assert now is not None  # a waiter receives, the first turn (no run of close turns yet)
     assert turns.io_pause(now + BACKOFF_SECONDS / 2) == BACKOFF_SECONDS  # look again soon
     # a long turn wakes the I/O thread when it ends: meanwhile it sleeps
     assert turns.io_pause(now + 2 * LONG_TURN_SECONDS) == float("inf")
     assert turns.held_by_current_thread()
+
+
+def _close_turns(turns: InboxTurns, count: int) -> list[float]:
+    """``count`` turns back to back; the I/O thread's pause as it looks during each."""
+    agent = SimpleNamespace(_running=True)
+    pauses = []
+    for _ in range(count):
+        started = turns._begin_turn(agent)  # type: ignore[arg-type]
+        assert started is not None
+        pauses.append(turns.io_pause(time.monotonic()))
+        turns._end_turn(started, coming_back=True)
+    return pauses
+
+
+def test_io_thread_looks_less_often_while_turns_follow_closely(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from actorrpc.agent import _inbox
+
+    monkeypatch.setattr(_inbox, "CLOSE_TURNS_SECONDS", 60.0)  # (however slow this host is)
+    turns = InboxTurns()
+    grown = [min(BACKOFF_SECONDS * 2**i, MAX_LOOK_SECONDS) for i in range(5)]
+    assert _close_turns(turns, 5) == grown  # the first look has seen no gap yet
+    assert grown[-1] == MAX_LOOK_SECONDS > BACKOFF_SECONDS
+    # between turns, a moment after the last ended: the grown period, not the back-off's rest
+    assert turns.io_pause(time.monotonic()) == MAX_LOOK_SECONDS
+    # a gap as wide as the back-off: the I/O thread takes the inbox and looks often again
+    turns._handed_off_at -= 2 * BACKOFF_SECONDS
+    assert turns.io_pause(time.monotonic()) == 0.0
+    assert turns.look_period == BACKOFF_SECONDS
+    assert _close_turns(turns, 2) == grown[1:3]  # (the period went back; no gap since)
+
+
+def test_a_wide_gap_between_turns_puts_the_look_period_back() -> None:
+    turns = InboxTurns()
+    turns.look_period = MAX_LOOK_SECONDS
+    turns._widest_gap = 0.0
+    turns._turn_ended = time.monotonic() - 2 * CLOSE_TURNS_SECONDS  # ... then nobody took one
+    assert _close_turns(turns, 1) == [BACKOFF_SECONDS]
+    # a gap in progress counts too
+    turns.look_period, turns._widest_gap = MAX_LOOK_SECONDS, 0.0
+    turns._turn_ended = time.monotonic() - 2 * CLOSE_TURNS_SECONDS
+    turns._handed_off_at = time.monotonic()
+    assert 0 < turns.io_pause(time.monotonic()) <= BACKOFF_SECONDS
+    assert turns.look_period == BACKOFF_SECONDS
+
+
+def test_a_serving_turn_keeps_the_io_thread_looking_every_back_off() -> None:
+    turns = InboxTurns()
+    turns.look_period, turns._widest_gap = MAX_LOOK_SECONDS, 0.0
+    started = turns._begin_turn(SimpleNamespace(_running=True))  # type: ignore[arg-type]
+    assert started is not None
+    turns._claiming = True  # (as serving_turn sets it)
+    # it ends at the next request, whose run leaves the inbox to nobody: look again soon
+    assert turns.io_pause(time.monotonic()) == BACKOFF_SECONDS
+    assert turns.look_period == BACKOFF_SECONDS
+    turns._claiming = False
+    turns._end_turn(started, coming_back=True)
 
 
 class _OneTurnAgent:
