@@ -936,6 +936,49 @@ def test_walking_values_finds_tensors_in_order_once_and_replaces_sharing_the_res
     assert replace_tensors("text", {}) == "text"
 
 
+def _identities(value: Any) -> Any:
+    """``value``'s structure, with its containers' types and everything else's id."""
+    if isinstance(value, dict):
+        return type(value), {k: _identities(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value), [_identities(v) for v in value]
+    return id(value)
+
+
+def test_flat_arguments_are_walked_as_any_nesting_would_be() -> None:
+    """The loops for flat arguments (and a lone tensor) find and replace exactly what the
+    general walks do: the same tensors in the same order, each once."""
+    from collections import namedtuple
+
+    from actorrpc.autograd._functions import (
+        _find_nested,
+        _replace_nested,
+        find_grad_tensors,
+        replace_tensors,
+    )
+
+    a, b = (torch.ones(1, requires_grad=True) for _ in range(2))
+    frozen = torch.ones(1)
+    Pair = namedtuple("Pair", "x y")
+
+    class Args(list):  # type: ignore[type-arg]
+        pass
+
+    shapes: list[tuple[Any, ...]] = [
+        ((a, b, 3, "x"), {}), ((a, a, frozen, b, a), {}), ((b, a), {"k": a}), (a,), (frozen,),
+        ([b, 1.5, a],), ((), {}), ((a, [b]), {}), ((Pair(a, b),), {}), (Pair(b, a), {}),
+        (Args([a, b]),), ((a, b), (b, a)), (None, a),
+    ]
+    mapping = {id(a): torch.zeros(1), id(b): torch.zeros(1)}
+    for values in shapes:
+        found = find_grad_tensors(*values)
+        assert [id(t) for t in found] == [id(t) for t in _find_nested(values)], values
+        for value in values:
+            flat, nested = replace_tensors(value, mapping), _replace_nested(value, mapping)
+            assert _identities(flat) == _identities(nested), values
+            assert (flat is value) == (nested is value), values  # unchanged: shared
+
+
 @pytest.mark.timeout(30)
 def test_local_passes_call_the_engine_directly_unless_autograd_logs_debug(
     monkeypatch: pytest.MonkeyPatch,

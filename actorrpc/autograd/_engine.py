@@ -492,10 +492,12 @@ class _ServingInContext:
             message_id = call.meta.get(KEY_MESSAGE)
             if message_id is not None:
                 received = find_grad_tensors(call.args, call.kwargs)
-                if received:
+                if received and call.kwargs:
                     call.args, call.kwargs = engine._attach_recv(
                         ctx, message_id, caller, (call.args, call.kwargs), received
                     )
+                elif received:  # (no pair to build and take apart)
+                    call.args = engine._attach_recv(ctx, message_id, caller, call.args, received)
         except BaseException:
             set_current_context_id(self._previous)
             raise

@@ -180,13 +180,38 @@ _Tensor = torch.Tensor
 _WALKED = (torch.Tensor, list, tuple, dict)  # what the walks below look into (or replace)
 
 
+_CONTAINERS = (list, tuple, dict)
+
+
 def find_grad_tensors(*values: Any) -> list[torch.Tensor]:
     """Tensors requiring grad in ``values``, in walk order, each once.
 
     Depth first, each container's elements in order; a container reached twice (or
     through a cycle) is walked once, where it is first reached. A stack of iterators:
-    no recursion, however deep the nesting.
+    no recursion, however deep the nesting. (The usual call's arguments, a flat tuple
+    and no keyword arguments, and a lone tensor take a loop without the stack.)
     """
+    found: list[torch.Tensor] = []
+    for value in values:
+        if isinstance(value, _Tensor):
+            if value.requires_grad:
+                found.append(value)
+        elif type(value) is tuple or type(value) is list:
+            for obj in value:
+                if isinstance(obj, _Tensor):
+                    if obj.requires_grad:
+                        found.append(obj)
+                elif isinstance(obj, _CONTAINERS):
+                    return _find_nested(values)
+        elif isinstance(value, _CONTAINERS) and value:  # a dict, a named tuple
+            return _find_nested(values)
+    if len(found) > 1 and len(set(map(id, found))) < len(found):
+        return list({id(t): t for t in found}.values())  # each once, where first found
+    return found
+
+
+def _find_nested(values: tuple[Any, ...]) -> list[torch.Tensor]:
+    """:func:`find_grad_tensors` over any nesting."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
     stack: list[Iterator[Any]] = [iter(values)]
@@ -213,6 +238,24 @@ def find_grad_tensors(*values: Any) -> list[torch.Tensor]:
 def replace_tensors(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
     """A copy of ``obj`` whose tensors with ids in ``mapping`` are replaced; shares the rest
     (a container none of whose elements changed is itself, not a copy)."""
+    if type(obj) is tuple or type(obj) is list:  # the usual call's arguments: flat
+        get = mapping.get
+        elements = []
+        for value in obj:
+            if isinstance(value, _Tensor):
+                value = get(id(value), value)
+            elif isinstance(value, _CONTAINERS):
+                break
+            elements.append(value)
+        else:
+            if all(map(operator.is_, elements, obj)):
+                return obj
+            return tuple(elements) if type(obj) is tuple else elements
+    return _replace_nested(obj, mapping)
+
+
+def _replace_nested(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
+    """:func:`replace_tensors` over any nesting."""
     memo: dict[int, Any] = {}
 
     def rebuild(value: Any) -> Any:
