@@ -132,6 +132,8 @@ class MessageDispatcher(ReplySettling):
     ) -> Any:
         """Run ``run(call)`` inside every hook's ``serving`` scope; return the call's result."""
         record = CallRecord(sender, meta, args, kwargs)
+        if not meta and not self.serving_without_meta:  # no hook has anything to do
+            return run(record)
         scopes: list[AbstractContextManager[Any]] = []
         for hook in self._hooks:  # (a loop: no generator frames on every call)
             scope = hook.serving(record)
