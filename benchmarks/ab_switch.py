@@ -16,10 +16,11 @@ the blocks per side and the change.
 ``actorrpc.transport._zmq:_SOME_FLAG``) or ``agent:ATTR.PATH`` (an attribute reached
 from the worker's agent, e.g. ``agent:held.enabled``). ``--on-value`` / ``--off-value``
 are Python expressions (default ``True`` / ``False``), evaluated on each worker.
-Modes: ``sync`` (rpc_sync of a no-op), ``remote`` (remote().to_here()), ``autograd``
-(bench_rpc's iteration), ``async`` (windows of 500 rpc_async) and ``tensor`` (rpc_sync
-of ``torch.add`` on two 64x64 tensors, outside autograd). Figures are in
-docs/performance.md.
+Modes: ``sync`` (rpc_sync of a no-op), ``remote`` (remote().to_here()), ``rebind``
+(``rref = remote(...)``, then ``rref.to_here()``: each remote() drops the RRef made
+before), ``autograd`` (bench_rpc's iteration), ``async`` (windows of 500 rpc_async) and
+``tensor`` (rpc_sync of ``torch.add`` on two 64x64 tensors, outside autograd). Figures
+are in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from _common import ensure_repo_on_path, free_port
 
 ensure_repo_on_path()
 
-MODES = ("sync", "remote", "autograd", "async", "tensor")
-_BLOCK_CALLS = {"sync": 300, "remote": 250, "autograd": 120, "async": 2000, "tensor": 250}
+MODES = ("sync", "remote", "rebind", "autograd", "async", "tensor")
+_BLOCK_CALLS = {"sync": 300, "remote": 250, "rebind": 250, "autograd": 120, "async": 2000,
+                "tensor": 250}
+_REBOUND: dict[str, Any] = {}
 _ASYNC_WINDOW = 500
 _LEAVES = [torch.rand(64, 64, requires_grad=True) for _ in range(2)]
 _TENSORS = [leaf.detach() for leaf in _LEAVES]
@@ -83,6 +86,9 @@ def _one_call(rpc: Any, mode: str) -> None:
         rpc.rpc_sync("worker1", noop)
     elif mode == "remote":
         rpc.remote("worker1", noop, args=(1,)).to_here()
+    elif mode == "rebind":  # the RRef made before is dropped between remote() and to_here()
+        _REBOUND["rref"] = rpc.remote("worker1", noop, args=(1,))
+        _REBOUND["rref"].to_here()
     elif mode == "tensor":
         rpc.rpc_sync("worker1", torch.add, args=(_TENSORS[0], _TENSORS[1]))
     else:

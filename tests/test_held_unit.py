@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from actorrpc.agent._held import HOLD_SECONDS, HeldRequest, HeldRequests
+from actorrpc.agent._held import HOLD_SECONDS, HeldRequest, HeldRequests, ignore_while_holding
 from actorrpc.errors import PeerUnreachableError
 from actorrpc.protocol import MessageKind
 
@@ -167,6 +167,50 @@ def test_the_next_call_of_the_holding_thread_sends_it_unless_it_merges() -> None
     len(())  # any other call sends it first
     assert sys.getprofile() is None and not held.pending
     assert agent.sent[-1] == (1, MessageKind.REMOTE_CALL, 6)
+
+
+class _Finalized:
+    """A finalizer that calls functions of its own, registered as one to ignore."""
+
+    calls = 0
+
+    def __del__(self) -> None:
+        _Finalized.calls += len(str(self))
+
+
+ignore_while_holding(_Finalized.__del__.__code__)
+
+
+def test_a_finalizer_registered_to_be_ignored_does_not_send_it() -> None:
+    agent = _StubAgent()
+    held = HeldRequests(agent)  # type: ignore[arg-type]
+
+    def merging() -> None:
+        pass
+
+    request = _held(agent, 7)
+    held.hold(request)
+    held.release_on_next_call(request.future, merging.__code__)
+    doomed = _Finalized()  # (a call: sends it, before the hook is in place)
+    other = _held(agent, 8)
+    held.hold(other)
+    held.release_on_next_call(other.future, merging.__code__)
+    del doomed  # its __del__ runs, and calls str(): neither counts
+    still_held = held.pending
+    merging()
+    hook_left = sys.getprofile() is None
+    assert still_held and hook_left and held.pending and _Finalized.calls > 0
+    assert agent.sent == [(1, MessageKind.REMOTE_CALL, 7)]  # the first, sent by the call
+
+    held.release()
+    request = _held(agent, 9)
+    doomed = _Finalized()
+    held.hold(request)
+    held.release_on_next_call(request.future, merging.__code__)
+    del doomed
+    len(())  # an ordinary call after the finalizer: it goes
+    assert sys.getprofile() is None and not held.pending
+    assert agent.sent[-2:] == [(1, MessageKind.REMOTE_CALL, 8), (1, MessageKind.REMOTE_CALL, 9)]
 
 
 def test_may_hold_is_false_under_a_profiler_or_when_turned_off() -> None:

@@ -103,6 +103,25 @@ def test_remote_then_to_here_is_one_request(kinds_sent_to_worker1: list[str]) ->
 
 
 @pytest.mark.timeout(60)
+def test_a_remote_whose_rref_replaces_another_still_goes_with_its_to_here(
+    kinds_sent_to_worker1: list[str],
+) -> None:
+    """``rref = rpc.remote(...)`` drops the RRef held in ``rref`` before: its finalizer
+    runs between remote() and to_here(), and only queues its delete (which rides on
+    the merged request)."""
+    agent = current_agent()
+    merged = agent.held.merged
+    deletes = agent.riders.carried
+    rref = rpc.remote("worker1", add, args=(1, 1))
+    assert rref.to_here() == 2
+    rref = rpc.remote("worker1", add, args=(2, 2))
+    assert rref.to_here() == 4
+    assert agent.held.merged == merged + 2
+    assert kinds_sent_to_worker1 == ["REMOTE_CALL_FETCH"] * 2
+    assert agent.riders.carried > deletes  # the first RRef's delete rode along
+
+
+@pytest.mark.timeout(60)
 def test_a_held_request_leaves_at_the_next_call_of_its_thread() -> None:
     agent = current_agent()
     rref = rpc.remote("worker1", add, args=(1, 1))

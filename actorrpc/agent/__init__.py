@@ -12,6 +12,7 @@ from ._agent import (
 from ._batch_scheduling import undo_inherited_batch
 from ._calls import EncodedReply, encode_reply, run_user_function
 from ._futures import CallResult, Future, complete
+from ._held import ignore_while_holding
 from ._options import (
     DEFAULT_INIT_METHOD,
     DEFAULT_NUM_WORKER_THREADS,
@@ -44,6 +45,7 @@ __all__ = [
     "current_agent",
     "encode_reply",
     "format_traceback",
+    "ignore_while_holding",
     "register_agent_plugin",
     "run_user_function",
     "set_current_agent",

@@ -61,12 +61,22 @@ from ._futures import complete
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["HOLD_SECONDS", "HeldRequest", "HeldRequests"]
+__all__ = ["HOLD_SECONDS", "HeldRequest", "HeldRequests", "ignore_while_holding"]
 
 HOLD_SECONDS = 0.005
 """Most seconds a request is held before the I/O thread sends it (only code that
 makes no call at all waits for that: it holds the GIL about as long, Python's
 switch interval)."""
+
+
+_IGNORED: set[CodeType] = set()
+
+
+def ignore_while_holding(code: CodeType) -> None:
+    """Let a function run between ``remote()`` and its merging call without sending the
+    held request (see :meth:`HeldRequests.release_on_next_call`): only for finalizers that
+    neither send nor wait (they may queue notifications, which ride on it)."""
+    _IGNORED.add(code)
 
 
 class HeldRequest:
@@ -132,13 +142,27 @@ class HeldRequests:
 
     def release_on_next_call(self, future: Any, merging: CodeType) -> None:
         """Send ``future``'s held request at this thread's next function call, unless
-        that call runs ``merging`` (which takes it); the caller's last step."""
+        that call runs ``merging`` (which takes it); the caller's last step.
+
+        A finalizer registered with :func:`ignore_while_holding` (``RRef.__del__``: it only queues
+        a notification) runs meanwhile without counting as that call, nor does anything
+        it calls: ``rref = rpc.remote(...)`` drops the previous RRef in that variable
+        between ``remote()`` and ``rref.to_here()``.
+        """
         held = self._held
         if held is None or held.future is not future:
             return
+        passing: list[FrameType] = []  # the frame of a finalizer passed over, while it runs
 
         def on_event(frame: FrameType, event: str, _: Any) -> None:
+            if passing:
+                if event == "return" and frame is passing[0]:
+                    passing.clear()
+                return
             if event in ("return", "c_return"):  # frames finishing: the caller's, its callers'
+                return
+            if event == "call" and frame.f_code in _IGNORED:
+                passing.append(frame)
                 return
             sys.setprofile(None)
             if event == "call" and frame.f_code is merging:

@@ -25,7 +25,15 @@ import logging
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from ..agent import Agent, CallRecord, Future, WorkerInfo, complete, current_agent
+from ..agent import (
+    Agent,
+    CallRecord,
+    Future,
+    WorkerInfo,
+    complete,
+    current_agent,
+    ignore_while_holding,
+)
 from ..agent._remote_exception import rebuild_exception
 from ..errors import RpcTimeoutError, RRefError, SerializationError
 from ..protocol import MessageKind
@@ -376,6 +384,10 @@ class RRef(Generic[T]):
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
 
+
+# ``rref = rpc.remote(...)`` in a loop drops the previous RRef between remote() and
+# to_here(): its delete only queues a notification (riding on the merged request)
+ignore_while_holding(RRef.__del__.__code__)
 
 _NOT_HELD = object()
 
