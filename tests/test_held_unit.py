@@ -169,13 +169,23 @@ def test_the_next_call_of_the_holding_thread_sends_it_unless_it_merges() -> None
     assert agent.sent[-1] == (1, MessageKind.REMOTE_CALL, 6)
 
 
+def _count(value: object) -> int:
+    return len(str(value))
+
+
 class _Finalized:
     """A finalizer that calls functions of its own, registered as one to ignore."""
 
     calls = 0
 
     def __del__(self) -> None:
-        _Finalized.calls += len(str(self))
+        _Finalized.calls += _count(self)  # a Python call and its return inside it
+        _Finalized.calls += _count(self)
+
+
+class _OtherFinalizer:
+    def __del__(self) -> None:
+        _Finalized.calls += 1
 
 
 ignore_while_holding(_Finalized.__del__.__code__)
@@ -188,10 +198,7 @@ def test_a_finalizer_registered_to_be_ignored_does_not_send_it() -> None:
     def merging() -> None:
         pass
 
-    request = _held(agent, 7)
-    held.hold(request)
-    held.release_on_next_call(request.future, merging.__code__)
-    doomed = _Finalized()  # (a call: sends it, before the hook is in place)
+    doomed = _Finalized()
     other = _held(agent, 8)
     held.hold(other)
     held.release_on_next_call(other.future, merging.__code__)
@@ -200,7 +207,7 @@ def test_a_finalizer_registered_to_be_ignored_does_not_send_it() -> None:
     merging()
     hook_left = sys.getprofile() is None
     assert still_held and hook_left and held.pending and _Finalized.calls > 0
-    assert agent.sent == [(1, MessageKind.REMOTE_CALL, 7)]  # the first, sent by the call
+    assert agent.sent == []
 
     held.release()
     request = _held(agent, 9)
@@ -210,7 +217,39 @@ def test_a_finalizer_registered_to_be_ignored_does_not_send_it() -> None:
     del doomed
     len(())  # an ordinary call after the finalizer: it goes
     assert sys.getprofile() is None and not held.pending
-    assert agent.sent[-2:] == [(1, MessageKind.REMOTE_CALL, 8), (1, MessageKind.REMOTE_CALL, 9)]
+    assert agent.sent == [(1, MessageKind.REMOTE_CALL, 8), (1, MessageKind.REMOTE_CALL, 9)]
+
+
+class _FinalizedDropping:
+    """A registered finalizer inside which another, unregistered one runs (as the
+    collector may run any object's)."""
+
+    def __init__(self) -> None:
+        self.other: object = _OtherFinalizer()
+
+    def __del__(self) -> None:
+        self.other = None
+
+
+ignore_while_holding(_FinalizedDropping.__del__.__code__)
+
+
+def test_another_finalizer_run_inside_an_ignored_one_sends_it() -> None:
+    agent = _StubAgent()
+    held = HeldRequests(agent)  # type: ignore[arg-type]
+    doomed = _FinalizedDropping()
+    request = _held(agent, 10)
+    held.hold(request)
+
+    def merging() -> None:
+        pass
+
+    held.release_on_next_call(request.future, merging.__code__)
+    calls = _Finalized.calls
+    del doomed  # its __del__ frees the other: that one may send, so the request goes first
+    assert _Finalized.calls == calls + 1
+    assert sys.getprofile() is None and not held.pending
+    assert agent.sent == [(1, MessageKind.REMOTE_CALL, 10)]
 
 
 def test_may_hold_is_false_under_a_profiler_or_when_turned_off() -> None:

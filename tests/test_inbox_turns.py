@@ -180,7 +180,7 @@ def _close_turns(turns: InboxTurns, count: int) -> list[float]:
     for _ in range(count):
         started = turns._begin_turn(agent)  # type: ignore[arg-type]
         assert started is not None
-        pauses.append(turns.io_pause(time.monotonic()))
+        pauses.append(turns.io_pause(started))  # (a look at the turn's start: never a long one)
         turns._end_turn(started, coming_back=True)
     return pauses
 
@@ -196,10 +196,9 @@ def test_io_thread_looks_less_often_while_turns_follow_closely(
     assert _close_turns(turns, 5) == grown  # the first look has seen no gap yet
     assert grown[-1] == MAX_LOOK_SECONDS > BACKOFF_SECONDS
     # between turns, a moment after the last ended: the grown period, not the back-off's rest
-    assert turns.io_pause(time.monotonic()) == MAX_LOOK_SECONDS
+    assert turns.io_pause(turns._turn_ended + 1e-6) == MAX_LOOK_SECONDS
     # a gap as wide as the back-off: the I/O thread takes the inbox and looks often again
-    turns._handed_off_at -= 2 * BACKOFF_SECONDS
-    assert turns.io_pause(time.monotonic()) == 0.0
+    assert turns.io_pause(turns._handed_off_at + 2 * BACKOFF_SECONDS) == 0.0
     assert turns.look_period == BACKOFF_SECONDS
     assert _close_turns(turns, 2) == grown[1:3]  # (the period went back; no gap since)
 
@@ -212,10 +211,48 @@ def test_a_wide_gap_between_turns_puts_the_look_period_back() -> None:
     assert _close_turns(turns, 1) == [BACKOFF_SECONDS]
     # a gap in progress counts too
     turns.look_period, turns._widest_gap = MAX_LOOK_SECONDS, 0.0
-    turns._turn_ended = time.monotonic() - 2 * CLOSE_TURNS_SECONDS
-    turns._handed_off_at = time.monotonic()
-    assert 0 < turns.io_pause(time.monotonic()) <= BACKOFF_SECONDS
+    now = time.monotonic()
+    turns._turn_ended, turns._handed_off_at = now - 2 * CLOSE_TURNS_SECONDS, now
+    assert turns.io_pause(now) == pytest.approx(BACKOFF_SECONDS)
     assert turns.look_period == BACKOFF_SECONDS
+
+
+def test_the_look_period_stays_short_after_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from actorrpc.agent import _inbox
+
+    monkeypatch.setattr(_inbox, "CLOSE_TURNS_SECONDS", 60.0)
+    turns = InboxTurns()
+    _close_turns(turns, 4)
+    assert turns.look_period == MAX_LOOK_SECONDS
+    # the I/O thread handed a request to a pool thread: it runs now, maybe for long
+    turns.hand_off()
+    now = turns._handed_off_at
+    assert turns.io_pause(now) == pytest.approx(BACKOFF_SECONDS)
+    assert turns.look_period == BACKOFF_SECONDS
+    _close_turns(turns, 4)
+    turns._serving_last = True  # (as a serving turn that claimed a request leaves it)
+    assert turns.io_pause(turns._turn_ended) == pytest.approx(BACKOFF_SECONDS)
+
+
+def test_a_thread_that_blocks_while_nobody_holds_the_inbox_wakes_the_io_thread() -> None:
+    """Its turn failed while another held the inbox, which was let go before that holder
+    saw it counted as blocked: the I/O thread, maybe in a long look period, takes over."""
+    from actorrpc.agent._futures import CallResult, complete
+
+    turns = InboxTurns()
+    agent = SimpleNamespace(inbox=turns, is_alive=lambda: True)
+    future: CallResult[int] = CallResult("a call", None)
+    threading.Thread(target=complete, args=(future, 7)).start()  # (the holder's part)
+    future._wait_on_gate(agent)
+    assert turns._resume.is_set() and turns.blocked_waiters == 0
+    turns._resume.clear()
+    other: CallResult[int] = CallResult("another call", None)
+    turns.lock.acquire()  # held: its holder completes the future, nobody to wake
+    threading.Thread(target=complete, args=(other, 8)).start()
+    other._wait_on_gate(agent)
+    assert not turns._resume.is_set()
 
 
 def test_a_serving_turn_keeps_the_io_thread_looking_every_back_off() -> None:
@@ -225,7 +262,7 @@ def test_a_serving_turn_keeps_the_io_thread_looking_every_back_off() -> None:
     assert started is not None
     turns._claiming = True  # (as serving_turn sets it)
     # it ends at the next request, whose run leaves the inbox to nobody: look again soon
-    assert turns.io_pause(time.monotonic()) == BACKOFF_SECONDS
+    assert turns.io_pause(started) == BACKOFF_SECONDS
     assert turns.look_period == BACKOFF_SECONDS
     turns._claiming = False
     turns._end_turn(started, coming_back=True)

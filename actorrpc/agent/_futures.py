@@ -75,7 +75,10 @@ class Completion:
         """Block until another thread (the inbox's holder) completes this future."""
         self._blocked = True
         if agent is not None:
-            agent.inbox.count_blocked(1)
+            inbox = agent.inbox
+            inbox.count_blocked(1)
+            if not inbox.lock.locked():  # the holder may have left before it saw the count:
+                inbox.resume()  # the I/O thread takes the inbox (a blocked waiter needs it)
         try:
             while not self._gate.acquire(timeout=_LIVENESS_CHECK_INTERVAL):
                 if agent is not None and not agent.is_alive():

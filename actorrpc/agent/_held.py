@@ -20,14 +20,15 @@ all leaves it to the I/O thread (which needs the GIL for it).
 Invariants:
 
 * At most one request is held per worker: holding another sends the first.
-* A held request leaves before its thread's next function call (bar the merging
-  one), so before anything that thread sends or waits for next; when the worker
-  shuts down; and at the latest :data:`HOLD_SECONDS` after it was held (the I/O
-  thread sends it). Other threads' messages need not wait for it: nothing they
-  send can depend on it unless the creating thread handed them something (the
-  RRef, its future) after ``remote()``, and that hand-over is a call that sends it
-  first. So other traffic on the worker (replies, liveness checks) does not spoil
-  the merge, and the send path pays nothing for it.
+* A held request leaves before its thread's next function call (bar the merging one, and
+  finalizers registered with :func:`ignore_while_holding`, which neither send nor wait:
+  ``RRef.__del__``; another ``__del__`` run inside one sends it), so before anything
+  that thread sends or waits for next; when the worker shuts down; and at the latest
+  :data:`HOLD_SECONDS` after it was held (the I/O thread sends it). Other threads'
+  messages need not wait for it: nothing they send can depend on it unless the creating
+  thread handed them something (the RRef, its future) after ``remote()``, and that hand-
+  over is a call that sends it first. So other traffic on the worker (replies, liveness
+  checks) does not spoil the merge, and the send path pays nothing for it.
 * Sending it is done under ``_sending``, from taking it out until it is on its
   link: a thread that finds it being sent by another (the I/O thread's timer)
   waits until it has left, so the order of one thread's messages on a link is
@@ -158,6 +159,14 @@ class HeldRequests:
             if passing:
                 if event == "return" and frame is passing[0]:
                     passing.clear()
+                    return
+                code = frame.f_code
+                if event != "call" or code.co_name != "__del__" or code in _IGNORED:
+                    return
+                # another finalizer run inside it (by the collector) may send: it goes first
+                passing.clear()
+                sys.setprofile(None)
+                self.release(future)
                 return
             if event in ("return", "c_return"):  # frames finishing: the caller's, its callers'
                 return

@@ -7,10 +7,10 @@ the caller's side. Instead the waiting thread takes a turn on the inbox itself
 when it is free, receiving and handling every message that arrives (replies to
 other calls, requests, which go to the pool as usual) until its own future is
 done. After it handed a reply to a blocked waiter, the I/O thread stays off the
-inbox for :data:`BACKOFF_SECONDS`, so a thread making synchronous calls one after
-another receives its own replies; it takes the inbox back when no waiter used it
-for that long, and meanwhile keeps doing its timed work (deadlines, liveness,
-queued ``call_soon`` work).
+inbox for :data:`BACKOFF_SECONDS` (or its grown look period, below), so a thread
+making synchronous calls one after another receives its own replies; it takes the
+inbox back when no waiter used it for that long, and meanwhile keeps doing its timed
+work (deadlines, liveness, queued ``call_soon`` work).
 
 The serving side has the same hand-off: the I/O thread receives a request and
 wakes a pool thread to run it. So a pool thread that served a request takes a
@@ -18,7 +18,8 @@ wakes a pool thread to run it. So a pool thread that served a request takes a
 thread would) until the next request arrives, gives the inbox up and runs that
 request itself; a turn with no request for :data:`SERVING_TURN_SECONDS` ends.
 After handing a request to the pool, or while a serving thread runs the one it
-received, the I/O thread again stays off the inbox for :data:`BACKOFF_SECONDS`.
+received, the I/O thread again stays off the inbox for :data:`BACKOFF_SECONDS` (never
+longer there: requests may run long).
 
 Invariants:
 
@@ -30,9 +31,12 @@ Invariants:
 * A message that arrives while nobody holds the inbox waits at most the I/O
   thread's look period (plus its wake-up) before it is received: :data:`BACKOFF_SECONDS`,
   except in the first gap wider than :data:`CLOSE_TURNS_SECONDS` after a run of
-  waiters' turns that followed each other closer than that, where the period may
-  have grown to :data:`MAX_LOOK_SECONDS` (each look costs the thread taking turns a
-  wake-up of the I/O thread on its core; a serving turn keeps the period short).
+  waiters' turns that followed each other closer than that, where it may wait up to
+  :data:`MAX_LOOK_SECONDS` plus :data:`CLOSE_TURNS_SECONDS` (the grown period counts
+  from a look up to that far into the gap; each look costs the thread taking turns a
+  wake-up of the I/O thread on its core). A serving turn and a hand-off to a thread keep
+  it at :data:`BACKOFF_SECONDS`; a thread that blocks on its future while nobody holds
+  the inbox wakes the I/O thread, which takes the inbox for it.
   When a request or a reply someone may wait for (its receiver may block
   without taking turns, e.g. in ``torch.futures.wait_all``) did wait, the I/O
   thread stays on the inbox for ``_STAY_SECONDS`` before it backs off again;
@@ -122,6 +126,8 @@ class InboxTurns:
         # most one look period that grew when it should not have)
         self._widest_gap = float("inf")
         self.look_period = BACKOFF_SECONDS  # the I/O thread's, while threads take turns
+        # the last turn or hand-off served requests (its thread runs one now, maybe long)
+        self._serving_last = False
         self._no_backoff_until = float("-inf")
         self.probing = False  # the I/O thread handles messages that waited during its back-off
         self._resume = threading.Event()
@@ -148,6 +154,7 @@ class InboxTurns:
         """A blocked waiter got its reply, or a pool thread a request: the I/O thread
         stays off the inbox for :data:`BACKOFF_SECONDS`, so that thread takes the next
         turn itself."""
+        self._serving_last = True
         self._handed_off_at = time.monotonic()
 
     def claim(self, request: tuple[Any, ...]) -> bool:
@@ -176,6 +183,9 @@ class InboxTurns:
         if pause <= 0.0:
             self.look_period = BACKOFF_SECONDS
             return 0.0
+        if self._serving_last:  # a request runs: the inbox may stay free for long
+            self.look_period = BACKOFF_SECONDS
+            return pause
         look = self._next_look(now - self._turn_ended)
         return max(pause, look) if look > BACKOFF_SECONDS else pause
 
@@ -221,7 +231,7 @@ class InboxTurns:
                 if pause > 0:
                     backed_off = True
                     run_timed_work(agent)
-                    # while a waiter receives, look again every back-off period: its turn
+                    # while a waiter receives, look again every look period: its turn
                     # may end with nobody receiving (it does not wake this thread)
                     self._io_receiving, self._io_wakes_at = False, float("inf")
                     wait = min(pause, seconds_to_timed_work(agent))
@@ -284,7 +294,7 @@ class InboxTurns:
 
         ``wake_receive`` interrupts its wait on the inbox (``Transport.wake``).
         Nothing happens when it will look by then anyway (the common case while
-        waiting threads take turns: it looks every back-off period).
+        waiting threads take turns: it looks every look period).
         """
         if self._io_wakes_at <= when:
             return
@@ -333,6 +343,7 @@ class InboxTurns:
             self._claimed = None
             # with a request, this thread comes back after running it; without, the
             # I/O thread takes over now
+            self._serving_last = True
             self._end_turn(started, coming_back=claimed is not None)
         return claimed
 
@@ -391,6 +402,7 @@ class InboxTurns:
         finally:
             future._receiver = None
             # a thread making calls one after another takes its next turn itself
+            self._serving_last = False
             self._end_turn(started, coming_back=True)
             if deferral is not None:
                 deferral.end_turn()
