@@ -26,8 +26,8 @@ Invariants:
   that thread sends or waits for next; when the worker shuts down; and at the latest
   :data:`HOLD_SECONDS` after it was held (the I/O thread sends it). Other threads'
   messages need not wait for it: nothing they send can depend on it unless the creating
-  thread handed them something (the RRef, its future) after ``remote()``, and that hand-
-  over is a call that sends it first. So other traffic on the worker (replies, liveness
+  thread handed them something (the RRef, its future) after ``remote()``, and that
+  hand-over is a call that sends it first. So other traffic on the worker (replies, liveness
   checks) does not spoil the merge, and the send path pays nothing for it.
 * Sending it is done under ``_sending``, from taking it out until it is on its
   link: a thread that finds it being sent by another (the I/O thread's timer)
