@@ -195,12 +195,30 @@ def test_io_thread_looks_less_often_while_turns_follow_closely(
     grown = [min(BACKOFF_SECONDS * 2**i, MAX_LOOK_SECONDS) for i in range(5)]
     assert _close_turns(turns, 5) == grown  # the first look has seen no gap yet
     assert grown[-1] == MAX_LOOK_SECONDS > BACKOFF_SECONDS
-    # between turns, a moment after the last ended: the grown period, not the back-off's rest
+    # between turns, just after one more ended: the grown period, not the back-off's rest
+    started = turns._begin_turn(SimpleNamespace(_running=True))  # type: ignore[arg-type]
+    assert started is not None
+    turns._end_turn(started, coming_back=True)
     assert turns.io_pause(turns._turn_ended + 1e-6) == MAX_LOOK_SECONDS
     # a gap as wide as the back-off: the I/O thread takes the inbox and looks often again
     assert turns.io_pause(turns._handed_off_at + 2 * BACKOFF_SECONDS) == 0.0
     assert turns.look_period == BACKOFF_SECONDS
     assert _close_turns(turns, 2) == grown[1:3]  # (the period went back; no gap since)
+
+
+def test_one_long_turn_puts_the_look_period_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn that lasts several looks (a slow reply): its thread may compute for long
+    after it, so the I/O thread looks every back-off again."""
+    from actorrpc.agent import _inbox
+
+    monkeypatch.setattr(_inbox, "CLOSE_TURNS_SECONDS", 60.0)
+    turns = InboxTurns()
+    _close_turns(turns, 4)
+    started = turns._begin_turn(SimpleNamespace(_running=True))  # type: ignore[arg-type]
+    assert started is not None
+    assert turns.io_pause(started) == MAX_LOOK_SECONDS  # a turn began since the last look
+    assert turns.io_pause(started) == BACKOFF_SECONDS  # none since: the same long turn
+    turns._end_turn(started, coming_back=True)
 
 
 def test_a_wide_gap_between_turns_puts_the_look_period_back() -> None:

@@ -125,6 +125,8 @@ class InboxTurns:
         # turns, read and reset by the I/O thread without a lock: a lost update costs at
         # most one look period that grew when it should not have)
         self._widest_gap = float("inf")
+        self._turns_begun = 0  # turns begun by any thread (written under the lock)
+        self._turns_at_look = 0  # ... as the I/O thread last looked
         self.look_period = BACKOFF_SECONDS  # the I/O thread's, while threads take turns
         # the last turn or hand-off served requests (its thread runs one now, maybe long)
         self._serving_last = False
@@ -191,9 +193,10 @@ class InboxTurns:
 
     def _next_look(self, current_gap: float) -> float:
         """The I/O thread's look period while threads take turns: it doubles, up to
-        :data:`MAX_LOOK_SECONDS`, while every gap between turns since its last look
-        (``current_gap``: the one in progress) was under :data:`CLOSE_TURNS_SECONDS`,
-        and is :data:`BACKOFF_SECONDS` again after a wider one.
+        :data:`MAX_LOOK_SECONDS`, while turns keep beginning (one at least since its last
+        look) and every gap between turns since then (``current_gap``: the one in
+        progress) was under :data:`CLOSE_TURNS_SECONDS`; else it is :data:`BACKOFF_SECONDS`
+        (a wider gap, or one long turn, which its thread may not follow with another).
 
         Each look is a wake-up of the I/O thread on the core of the thread taking
         turns, which then waits for it (~75 µs per look on a 2-vCPU host, see
@@ -202,7 +205,8 @@ class InboxTurns:
         first wide gap after such a run waits up to the grown period.
         """
         widest, self._widest_gap = max(self._widest_gap, current_gap), 0.0
-        if widest < CLOSE_TURNS_SECONDS:
+        begun, self._turns_at_look = self._turns_begun - self._turns_at_look, self._turns_begun
+        if begun and widest < CLOSE_TURNS_SECONDS:
             self.look_period = min(2 * self.look_period, MAX_LOOK_SECONDS)
         else:
             self.look_period = BACKOFF_SECONDS
@@ -355,6 +359,7 @@ class InboxTurns:
         self.holder = threading.get_ident()
         if started - self._turn_ended > self._widest_gap:
             self._widest_gap = started - self._turn_ended
+        self._turns_begun += 1
         return started
 
     def _end_turn(self, started: float, coming_back: bool) -> None:
