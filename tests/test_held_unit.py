@@ -3,15 +3,18 @@ and what a held request that cannot be sent does to its call."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from actorrpc.agent._held import HOLD_SECONDS, HeldRequest, HeldRequests, ignore_while_holding
+from actorrpc.agent._worker_info import validate_worker_name
 from actorrpc.errors import PeerUnreachableError
 from actorrpc.protocol import MessageKind
 
@@ -169,18 +172,16 @@ def test_the_next_call_of_the_holding_thread_sends_it_unless_it_merges() -> None
     assert agent.sent[-1] == (1, MessageKind.REMOTE_CALL, 6)
 
 
-def _count(value: object) -> int:
-    return len(str(value))
-
-
 class _Finalized:
-    """A finalizer that calls functions of its own, registered as one to ignore."""
+    """A finalizer registered as one to ignore, which calls actorrpc functions (as
+    ``RRef.__del__`` does)."""
 
     calls = 0
 
     def __del__(self) -> None:
-        _Finalized.calls += _count(self)  # a Python call and its return inside it
-        _Finalized.calls += _count(self)
+        # a Python call of actorrpc's and its return inside it, twice
+        _Finalized.calls += len(validate_worker_name("worker0"))
+        _Finalized.calls += len(validate_worker_name("worker1"))
 
 
 class _OtherFinalizer:
@@ -191,6 +192,18 @@ class _OtherFinalizer:
 ignore_while_holding(_Finalized.__del__.__code__)
 
 
+@pytest.fixture
+def no_collection() -> Iterator[None]:
+    """No garbage collection meanwhile: it could run an earlier test's finalizer, which
+    (rightly) sends a held request."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@pytest.mark.usefixtures("no_collection")
 def test_a_finalizer_registered_to_be_ignored_does_not_send_it() -> None:
     agent = _StubAgent()
     held = HeldRequests(agent)  # type: ignore[arg-type]
@@ -202,7 +215,7 @@ def test_a_finalizer_registered_to_be_ignored_does_not_send_it() -> None:
     other = _held(agent, 8)
     held.hold(other)
     held.release_on_next_call(other.future, merging.__code__)
-    del doomed  # its __del__ runs, and calls str(): neither counts
+    del doomed  # its __del__ runs, and calls actorrpc code: neither counts
     still_held = held.pending
     merging()
     hook_left = sys.getprofile() is None
@@ -221,8 +234,8 @@ def test_a_finalizer_registered_to_be_ignored_does_not_send_it() -> None:
 
 
 class _FinalizedDropping:
-    """A registered finalizer inside which another, unregistered one runs (as the
-    collector may run any object's)."""
+    """A registered finalizer inside which code of another package runs (as the
+    collector may run any object's finalizer)."""
 
     def __init__(self) -> None:
         self.other: object = _OtherFinalizer()
@@ -234,6 +247,7 @@ class _FinalizedDropping:
 ignore_while_holding(_FinalizedDropping.__del__.__code__)
 
 
+@pytest.mark.usefixtures("no_collection")
 def test_another_finalizer_run_inside_an_ignored_one_sends_it() -> None:
     agent = _StubAgent()
     held = HeldRequests(agent)  # type: ignore[arg-type]

@@ -243,15 +243,30 @@ def test_the_look_period_stays_short_after_serving(
     monkeypatch.setattr(_inbox, "CLOSE_TURNS_SECONDS", 60.0)
     turns = InboxTurns()
     _close_turns(turns, 4)
-    assert turns.look_period == MAX_LOOK_SECONDS
+    assert turns.look_period == MAX_LOOK_SECONDS and not turns._serving_last
     # the I/O thread handed a request to a pool thread: it runs now, maybe for long
     turns.hand_off()
     now = turns._handed_off_at
     assert turns.io_pause(now) == pytest.approx(BACKOFF_SECONDS)
     assert turns.look_period == BACKOFF_SECONDS
-    _close_turns(turns, 4)
-    turns._serving_last = True  # (as a serving turn that claimed a request leaves it)
+    # a waiter's own turn ends that: the period may grow again after it
+    future = SimpleNamespace(_done=False, _receiver=None)
+    assert turns.receive_until(_OneTurnAgent(future), future) is True  # type: ignore[arg-type]
+    assert not turns._serving_last
+    # ... unless it handed something to a thread itself meanwhile
+    handing = SimpleNamespace(_done=False, _receiver=None)
+    agent = _OneTurnAgent(handing)
+    receive = agent._transport.receive
+    agent._transport.receive = lambda *a: (turns.hand_off(), receive(*a))[1]
+    assert turns.receive_until(agent, handing) is True  # type: ignore[arg-type]
+    assert turns._serving_last
+    # a serving turn that claimed a request: the request runs now
+    turns._serving_last = False
+    serving = _ServingAgent(turns, [[("request", 2)]])
+    assert turns.serving_turn(serving) == ("request", 2)  # type: ignore[arg-type]
+    assert turns._serving_last
     assert turns.io_pause(turns._turn_ended) == pytest.approx(BACKOFF_SECONDS)
+    assert turns.look_period == BACKOFF_SECONDS
 
 
 def test_a_thread_that_blocks_while_nobody_holds_the_inbox_wakes_the_io_thread() -> None:

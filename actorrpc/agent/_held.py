@@ -22,7 +22,7 @@ Invariants:
 * At most one request is held per worker: holding another sends the first.
 * A held request leaves before its thread's next function call (bar the merging one, and
   finalizers registered with :func:`ignore_while_holding`, which neither send nor wait:
-  ``RRef.__del__``; another ``__del__`` run inside one sends it), so before anything
+  ``RRef.__del__``; other packages' code run inside one sends it), so before anything
   that thread sends or waits for next; when the worker shuts down; and at the latest
   :data:`HOLD_SECONDS` after it was held (the I/O thread sends it). Other threads'
   messages need not wait for it: nothing they send can depend on it unless the creating
@@ -47,6 +47,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -71,6 +72,7 @@ switch interval)."""
 
 
 _IGNORED: set[CodeType] = set()
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # actorrpc/
 
 
 def ignore_while_holding(code: CodeType) -> None:
@@ -145,10 +147,11 @@ class HeldRequests:
         """Send ``future``'s held request at this thread's next function call, unless
         that call runs ``merging`` (which takes it); the caller's last step.
 
-        A finalizer registered with :func:`ignore_while_holding` (``RRef.__del__``: it only queues
-        a notification) runs meanwhile without counting as that call, nor does anything
-        it calls: ``rref = rpc.remote(...)`` drops the previous RRef in that variable
-        between ``remote()`` and ``rref.to_here()``.
+        A finalizer registered with :func:`ignore_while_holding` (``RRef.__del__``: it only
+        queues a notification) runs meanwhile without counting as that call, nor does the
+        actorrpc code it calls: ``rref = rpc.remote(...)`` drops the previous RRef in that
+        variable between ``remote()`` and ``rref.to_here()``. Code of any other package it
+        leads to (a finalizer or weakref callback the collector runs) sends the request.
         """
         held = self._held
         if held is None or held.future is not future:
@@ -161,9 +164,10 @@ class HeldRequests:
                     passing.clear()
                     return
                 code = frame.f_code
-                if event != "call" or code.co_name != "__del__" or code in _IGNORED:
+                if event != "call" or code in _IGNORED or code.co_filename.startswith(_PACKAGE):
                     return
-                # another finalizer run inside it (by the collector) may send: it goes first
+                # code of another package run inside it (a finalizer or weakref callback the
+                # collector runs) may send or wait: the request goes first
                 passing.clear()
                 sys.setprofile(None)
                 self.release(future)

@@ -7,10 +7,10 @@ the caller's side. Instead the waiting thread takes a turn on the inbox itself
 when it is free, receiving and handling every message that arrives (replies to
 other calls, requests, which go to the pool as usual) until its own future is
 done. After it handed a reply to a blocked waiter, the I/O thread stays off the
-inbox for :data:`BACKOFF_SECONDS` (or its grown look period, below), so a thread
-making synchronous calls one after another receives its own replies; it takes the
-inbox back when no waiter used it for that long, and meanwhile keeps doing its timed
-work (deadlines, liveness, queued ``call_soon`` work).
+inbox for :data:`BACKOFF_SECONDS`, so a thread making synchronous calls one after
+another receives its own replies; it takes the inbox back when no waiter used it for
+that long (after a waiter's own turn, for its look period, below), and meanwhile keeps
+doing its timed work (deadlines, liveness, queued ``call_soon`` work).
 
 The serving side has the same hand-off: the I/O thread receives a request and
 wakes a pool thread to run it. So a pool thread that served a request takes a
@@ -128,8 +128,12 @@ class InboxTurns:
         self._turns_begun = 0  # turns begun by any thread (written under the lock)
         self._turns_at_look = 0  # ... as the I/O thread last looked
         self.look_period = BACKOFF_SECONDS  # the I/O thread's, while threads take turns
-        # the last turn or hand-off served requests (its thread runs one now, maybe long)
+        # the last turn was a serving turn, or a request or reply was handed to a thread
+        # since the last waiter's turn began (that thread runs now, maybe long)
         self._serving_last = False
+        # hand_off() calls (by the threads that hand off: a lost increment costs at most
+        # one grown look period)
+        self._hand_offs = 0
         self._no_backoff_until = float("-inf")
         self.probing = False  # the I/O thread handles messages that waited during its back-off
         self._resume = threading.Event()
@@ -157,6 +161,7 @@ class InboxTurns:
         stays off the inbox for :data:`BACKOFF_SECONDS`, so that thread takes the next
         turn itself."""
         self._serving_last = True
+        self._hand_offs += 1
         self._handed_off_at = time.monotonic()
 
     def claim(self, request: tuple[Any, ...]) -> bool:
@@ -185,7 +190,7 @@ class InboxTurns:
         if pause <= 0.0:
             self.look_period = BACKOFF_SECONDS
             return 0.0
-        if self._serving_last:  # a request runs: the inbox may stay free for long
+        if self._serving_last:  # a thread runs what it was handed: the inbox may stay free
             self.look_period = BACKOFF_SECONDS
             return pause
         look = self._next_look(now - self._turn_ended)
@@ -391,6 +396,7 @@ class InboxTurns:
             if deferral is not None:
                 deferral.end_turn()
             return False
+        hand_offs = self._hand_offs
         try:
             self.turns += 1
             future._receiver = me
@@ -407,7 +413,8 @@ class InboxTurns:
         finally:
             future._receiver = None
             # a thread making calls one after another takes its next turn itself
-            self._serving_last = False
+            if self._hand_offs == hand_offs:  # (else what it handed on may run long)
+                self._serving_last = False
             self._end_turn(started, coming_back=True)
             if deferral is not None:
                 deferral.end_turn()
