@@ -177,10 +177,8 @@ def recv_tag(node: Any) -> tuple[int, int, int, int] | None:
 
 
 _Tensor = torch.Tensor
-_WALKED = (torch.Tensor, list, tuple, dict)  # what the walks below look into (or replace)
-
-
 _CONTAINERS = (list, tuple, dict)
+_WALKED = (torch.Tensor, *_CONTAINERS)  # what the walks below look into (or replace)
 
 
 def find_grad_tensors(*values: Any) -> list[torch.Tensor]:
