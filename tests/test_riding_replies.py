@@ -138,6 +138,94 @@ def test_replies_to_a_worker_that_left_are_dropped_with_no_send() -> None:
     assert agent.carriers == [] and not riders.queued
 
 
+def _batching(monkeypatch: pytest.MonkeyPatch) -> tuple[_StubAgent, Riders, list[float]]:
+    """Riders batching RRef deletes, on a clock the test moves."""
+    from actorrpc.agent import _riders as riders_module
+
+    clock = [100.0]
+    monkeypatch.setattr(riders_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    agent, riders = _riders()
+    riders.batch_kind(MessageKind.RREF_USER_DELETE)
+    return agent, riders, clock
+
+
+_DELETE = int(MessageKind.RREF_USER_DELETE)
+
+
+def test_batched_notifications_wait_until_a_batch_is_full(monkeypatch) -> None:
+    from actorrpc.agent._riders import BATCH_SIZE
+
+    agent, riders, _ = _batching(monkeypatch)
+    for i in range(BATCH_SIZE - 1):
+        riders.add(1, MessageKind.RREF_USER_DELETE, (i,))
+    assert not riders.queued and len(riders.waiting[1]) == BATCH_SIZE - 1
+    assert riders.take(1) == []  # a message to worker 1 takes none along
+    assert riders.describe()["queued"] == BATCH_SIZE - 1
+    riders.add(2, MessageKind.RREF_USER_DELETE, ("other",))  # another worker's batch
+    riders.add(1, MessageKind.RREF_USER_DELETE, (BATCH_SIZE - 1,))
+    assert riders.take(1) == [(_DELETE, 0, (i,)) for i in range(BATCH_SIZE)]
+    assert 1 not in riders.waiting and riders.waiting[2] == [(_DELETE, 0, ("other",))]
+    assert agent.carriers == [] and agent.wake_requests == []
+
+
+def test_a_batched_notification_added_batch_age_after_the_oldest_makes_them_ride(
+    monkeypatch,
+) -> None:
+    from actorrpc.agent._riders import BATCH_AGE
+
+    _, riders, clock = _batching(monkeypatch)
+    riders.add(1, MessageKind.RREF_USER_DELETE, ("a",))
+    clock[0] += BATCH_AGE / 2
+    riders.add(1, MessageKind.RREF_USER_DELETE, ("b",))
+    assert riders.take(1) == []
+    clock[0] += BATCH_AGE / 2
+    riders.add(1, MessageKind.RREF_USER_DELETE, ("c",))
+    assert [entry[2] for entry in riders.take(1)] == [("a",), ("b",), ("c",)]
+    clock[0] += BATCH_AGE * 10
+    riders.add(1, MessageKind.RREF_USER_DELETE, ("d",))  # a new batch begins
+    assert riders.take(1) == [] and riders.waiting[1] == [(_DELETE, 0, ("d",))]
+
+
+def test_waiting_notifications_ride_before_anything_queued_after_them(monkeypatch) -> None:
+    _, riders, _ = _batching(monkeypatch)
+    riders.add(1, MessageKind.RREF_USER_DELETE, ("a",))
+    riders.add(1, MessageKind.SHM_RELEASE, ["segment"])  # not batched: queued at once
+    assert riders.take(1) == [(_DELETE, 0, ("a",)), (int(MessageKind.SHM_RELEASE), 0, ["segment"])]
+    riders.add(1, MessageKind.RREF_USER_DELETE, ("b",))
+    riders.add_reply(1, 7, b"reply")
+    assert [entry[:2] for entry in riders.take(1)] == [(_DELETE, 0), (int(MessageKind.RESPONSE), 7)]
+    assert not riders.waiting
+
+
+def test_waiting_notifications_leave_alone_rider_delay_after_the_oldest(monkeypatch) -> None:
+    agent, riders, clock = _batching(monkeypatch)
+    assert riders.seconds_to_due(clock[0]) is None
+    riders.add(1, MessageKind.RREF_USER_DELETE, ("a",))
+    start = clock[0]
+    riders.add(2, MessageKind.SHM_RELEASE, ["segment"])
+    assert riders.seconds_to_due(start) == pytest.approx(RIDER_DELAY)
+    riders.flush(now=start + RIDER_DELAY / 2)
+    assert agent.carriers == [] and riders.waiting
+    riders.take(2)  # worker 2's went on a message: only the waiting delete is left
+    assert riders.seconds_to_due(start + 0.004) == pytest.approx(RIDER_DELAY - 0.004)
+    riders.flush(now=start + RIDER_DELAY)
+    assert agent.carriers == [1] and not riders.waiting and not riders.queued
+    assert riders.seconds_to_due(start) is None
+
+
+def test_everything_flushes_waiting_notifications_and_a_departed_worker_drops_them(
+    monkeypatch,
+) -> None:
+    agent, riders, _ = _batching(monkeypatch)
+    riders.add(1, MessageKind.RREF_USER_DELETE, ("a",))
+    riders.add(3, MessageKind.RREF_USER_DELETE, ("b",))  # rank 3 is no member
+    riders.flush(everything=True)
+    assert agent.carriers == [1] and not riders.waiting and not riders.queued
+    riders.add(2, MessageKind.RREF_USER_DELETE, ("c",))
+    riders.drop(2)
+    assert not riders.waiting and riders.seconds_to_due(0.0) is None
+
+
 def test_a_pool_thread_runs_before_wait_while_busy_before_it_blocks_and_exits() -> None:
     waits: list[tuple[bool, int]] = []
     ran = threading.Event()

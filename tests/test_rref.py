@@ -1261,37 +1261,51 @@ def test_user_deletes_are_notifications_and_still_reach_the_owner(cluster):
         threading.Event().wait(0.01)
 
 
-def test_user_deletes_ride_on_the_next_message_to_the_owner(cluster, monkeypatch):
-    """Queued deletes travel on a message to the owner that leaves anyway."""
+def test_user_deletes_ride_in_batches_on_messages_to_the_owner(cluster, monkeypatch):
+    """Deletes wait until a batch is full, then travel on a message that leaves anyway;
+    a batch not yet full waits (the next call does not carry it)."""
+    import gc
+
     from actorrpc.agent import _riders, current_agent
 
-    # no flush of their own meanwhile, however long this thread is descheduled
+    # no flush of their own meanwhile, however long this thread is descheduled, and no
+    # batch made to ride by its age
     monkeypatch.setattr(_riders, "RIDER_DELAY", 60.0)
+    monkeypatch.setattr(_riders, "BATCH_AGE", 60.0)
 
     agent = current_agent()
     owner = agent.resolve("worker1").id
+    gc.collect()  # (an earlier test's RRefs)
+    agent.riders.flush(everything=True)
     before = rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"]
     rrefs = [rpc.remote("worker1", torch.add, args=(torch.ones(1), i)) for i in range(20)]
     assert [r.to_here().item() for r in rrefs] == [float(i + 1) for i in range(20)]
+    rpc.rpc_sync("worker1", debug_info)  # every creation is acknowledged by now
     carried, alone = agent.riders.carried, agent.riders.sent_alone
     sent = agent.stats.calls_sent[owner]
     del rrefs
 
-    def all_deletes_queued_or_carried() -> bool:
-        # an RRef lives on until the reply confirming its creation was handled, which
-        # may come after to_here()'s reply; a liveness PING may carry some already
+    def batch_queued_rest_waiting() -> bool:
+        # (a liveness PING may carry the full batch already)
         queued = len(agent.riders.queued.get(owner, []))
-        return queued + agent.riders.carried - carried >= 20
+        waiting = len(agent.riders.waiting.get(owner, []))
+        return queued + agent.riders.carried - carried == 16 and waiting == 4
 
-    assert wait_until(all_deletes_queued_or_carried, WAIT)
-    after = rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"]  # carries the deletes
-    # the 20 deletes rode on that call: no message of their own
-    assert agent.riders.carried - carried >= 20
+    assert wait_until(batch_queued_rest_waiting, WAIT)
+    assert not agent.idle()  # deletes still to send
+    rpc.rpc_sync("worker1", debug_info)  # carries the full batch, not the rest
+    assert agent.riders.carried - carried == 16
+    assert len(agent.riders.waiting[owner]) == 4
     assert agent.riders.sent_alone == alone
     assert agent.stats.calls_sent[owner] - sent <= 2  # (a liveness PING may go too)
-    # the owner applies them once it served that call (its reply does not wait for them);
-    # at most before: an earlier test's RRef on worker1 may be freed meanwhile
-    assert after <= before or wait_until(
+    rpc.rpc_sync("worker1", debug_info)  # a call more: still the same 4 waiting
+    assert len(agent.riders.waiting[owner]) == 4
+    assert agent.riders.describe()["queued"] == 4
+    agent.riders.flush(everything=True)  # (what a graceful shutdown does)
+    assert not agent.riders.waiting and agent.riders.sent_alone == alone + 1
+    # the owner applies them once it served the call that carried them (its reply does
+    # not wait for them); at most before: an earlier test's RRef may be freed meanwhile
+    assert wait_until(
         lambda: rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"] <= before, WAIT
     )
     # the worker stats show these counters (read between two readings: they only grow)
@@ -1309,6 +1323,7 @@ def test_a_delete_riding_on_a_call_that_waits_for_it_is_still_applied(cluster, m
     from actorrpc.agent import _riders, current_agent
 
     monkeypatch.setattr(_riders, "RIDER_DELAY", 60.0)  # the delete rides on the next call
+    monkeypatch.setattr(_riders, "BATCH_SIZE", 1)  # (a batch of one)
     agent = current_agent()
     before = rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"]
     rref = rpc.remote("worker1", torch.add, args=(torch.ones(1), 1))
@@ -1334,7 +1349,8 @@ def test_queued_deletes_are_sent_alone_when_no_message_follows(cluster):
     del rref
     deadline = time.monotonic() + WAIT
     # alone, or on a message the agent sends by itself (a liveness ping)
-    while agent.riders.sent_alone + agent.riders.carried == left or agent.riders.queued:
+    while (agent.riders.sent_alone + agent.riders.carried == left or agent.riders.queued
+           or agent.riders.waiting):
         assert time.monotonic() < deadline, "the queued delete was never sent"
         threading.Event().wait(0.005)
     # it left before this call, on the same link: the owner applied it first

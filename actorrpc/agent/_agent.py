@@ -563,6 +563,7 @@ class Agent(MessageDispatcher):
             len(self._pending) <= self.liveness.pings_in_flight()
             and self._inflight == 0
             and not self.riders.queued
+            and not self.riders.waiting
         )
 
     def wait_idle(self, deadline: float) -> bool:

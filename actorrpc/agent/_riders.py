@@ -9,16 +9,27 @@ leaves within :data:`RIDER_DELAY` seconds, the I/O thread sends them on a
 ``remote()`` + ``to_here()`` this takes one message out of every five, and a
 wake-up of the caller's I/O thread.
 
+Kinds registered with :meth:`Riders.batch_kind` (an RRef user's delete) wait in
+``waiting`` before they may ride: until :data:`BATCH_SIZE` of them wait for the
+same worker, or one is added :data:`BATCH_AGE` seconds or more after the oldest, or
+another notification or reply for that worker is queued, or :data:`RIDER_DELAY`
+passed (then they go on a message of their own, as any). In a loop of
+``remote()`` + ``to_here()`` one request in sixteen carries the deletes of the
+sixteen RRefs before it, and the others none (each riders frame costs ~10 µs
+to build, send and take apart; 85 → 73 µs per iteration).
+
 Invariants:
 
-* Queueing only appends under a re-entrant lock: finalizers (which may run on
+* Queueing only appends (or moves a worker's ``waiting`` list to the end of its
+  ``queued`` list) under a re-entrant lock: finalizers (which may run on
   any thread, even inside garbage collection on a thread that holds the lock)
   and ``__del__`` may queue.
 * A queued notification is sent at most once: taken out of the queue for a
   message, and put back in front if that message could not be sent. Those
   queued for a worker that left, is dead, or cannot be sent a message of their
   own are dropped (with a warning for the last).
-* Notifications to one worker keep their order; the receiver handles them
+* Notifications to one worker keep their order (waiting ones move to ``queued``
+  before anything else is queued for that worker); the receiver handles them
   before the message that carried them (so they are never handled earlier than
   if they had been sent on their own when queued), except those of kinds
   registered ``after_carrier`` (an RRef delete, a context release: they only let
@@ -57,10 +68,20 @@ from ..protocol import MessageKind, encode_riders
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["MAX_RIDING_REPLY", "QUICK_REQUEST", "REPLY_DELAY", "RIDER_DELAY", "Riders"]
+__all__ = [
+    "BATCH_AGE", "BATCH_SIZE", "MAX_RIDING_REPLY", "QUICK_REQUEST", "REPLY_DELAY",
+    "RIDER_DELAY", "Riders",
+]
 
 RIDER_DELAY = 0.01
 """Most seconds a queued notification waits for a message to ride on."""
+
+BATCH_SIZE = 16
+"""Notifications of a batched kind waiting for one worker that make them all ride."""
+
+BATCH_AGE = 0.001
+"""A batched notification added this many seconds or more after the oldest one waiting
+for its worker makes them all ride (a later message's riders get older ones along)."""
 
 REPLY_DELAY = 0.002
 """Most seconds a queued reply waits for a message to ride on while its thread runs a
@@ -91,6 +112,11 @@ class Riders:
         # something is queued: the send path reads it on every message)
         self.queued: dict[int, _Queued] = {}
         self._due: dict[int, float] = {}  # rank -> when what is queued for it must leave
+        self._batched: set[int] = set()  # kinds that wait in ``waiting`` (batch_kind)
+        # notifications of batched kinds that may not ride yet, by rank, with when the
+        # oldest of them was added (they must leave RIDER_DELAY after that)
+        self.waiting: dict[int, _Queued] = {}
+        self._waiting_since: dict[int, float] = {}
         # per thread: .ranks, where its queued replies go; .quick, (kind, function) of the
         # last request it ran if that was quick
         self._owed = threading.local()
@@ -98,17 +124,43 @@ class Riders:
         self.sent_alone = 0  # messages sent only to carry notifications that waited
         self.replies_deferred = 0  # replies queued to ride on a later message (statistics)
 
+    def batch_kind(self, kind: MessageKind) -> None:
+        """Notifications of ``kind`` wait to ride in batches (see the module docs): for
+        kinds that only let something go on their receiver, a little later."""
+        self._batched.add(int(kind))
+
     def add(self, rank: int, kind: MessageKind, payload: Any) -> None:
         """Queue a notification of ``kind`` for worker ``rank`` (safe from finalizers)."""
+        entry = (int(kind), 0, payload)
+        now = time.monotonic()
         with self._lock:
-            self.queued.setdefault(rank, []).append((int(kind), 0, payload))
-            self._due.setdefault(rank, time.monotonic() + RIDER_DELAY)
+            if entry[0] in self._batched:
+                waiting = self.waiting.setdefault(rank, [])
+                waiting.append(entry)
+                since = self._waiting_since.setdefault(rank, now)
+                if len(waiting) < BATCH_SIZE and now - since < BATCH_AGE:
+                    return
+                self._release_waiting(rank)
+                return
+            self._release_waiting(rank)
+            self.queued.setdefault(rank, []).append(entry)
+            self._due.setdefault(rank, now + RIDER_DELAY)
+
+    def _release_waiting(self, rank: int) -> None:
+        """Move ``rank``'s waiting notifications to the end of its queue (with the lock)."""
+        waiting = self.waiting.pop(rank, None)
+        if waiting:
+            self.queued.setdefault(rank, []).extend(waiting)
+            self._due.setdefault(rank, self._waiting_since[rank] + RIDER_DELAY)
+        self._waiting_since.pop(rank, None)
 
     def add_reply(self, rank: int, message_id: int, body: bytes) -> None:
         """Queue the reply to request ``message_id`` of worker ``rank`` (``body``: its
         pickled value, no buffers); this thread owes its flush (:meth:`settle_owed`)."""
         due = time.monotonic() + REPLY_DELAY
         with self._lock:
+            if rank in self.waiting:
+                self._release_waiting(rank)
             self.queued.setdefault(rank, []).append((int(MessageKind.RESPONSE), message_id, body))
             earlier = due < self._due.get(rank, float("inf"))
             if earlier:
@@ -179,6 +231,8 @@ class Riders:
         with self._lock:
             self.queued.pop(rank, None)
             self._due.pop(rank, None)
+            self.waiting.pop(rank, None)
+            self._waiting_since.pop(rank, None)
 
     @staticmethod
     def encode(queued: _Queued) -> bytes:
@@ -190,11 +244,13 @@ class Riders:
         ])
 
     def seconds_to_due(self, now: float) -> float | None:
-        """Seconds until something queued must leave on a message of its own (None: nothing)."""
-        if not self.queued:
+        """Seconds until something queued or waiting must leave on a message of its own
+        (None: nothing)."""
+        if not self.queued and not self.waiting:
             return None
         with self._lock:
-            return min(self._due.values(), default=now) - now
+            dues = [*self._due.values(), *(s + RIDER_DELAY for s in self._waiting_since.values())]
+        return min(dues, default=now) - now
 
     def flush(self, everything: bool = False, now: float | None = None) -> None:
         """Send what is due by ``now`` (default: the monotonic clock), or ``everything``,
@@ -203,11 +259,14 @@ class Riders:
         The carrier is a ``PING`` notification (never answered) that takes
         everything queued for its worker along, in order, as any message would.
         """
-        if not self.queued:
+        if not self.queued and not self.waiting:
             return
         if now is None:
             now = time.monotonic()
         with self._lock:
+            for rank, since in list(self._waiting_since.items()):
+                if everything or since + RIDER_DELAY <= now:
+                    self._release_waiting(rank)
             ranks = [r for r, due in list(self._due.items()) if everything or due <= now]
         for rank in ranks:
             self._send_alone(rank)
@@ -229,6 +288,6 @@ class Riders:
 
     def describe(self) -> dict[str, int]:
         with self._lock:
-            queued = sum(len(q) for q in list(self.queued.values()))
+            queued = sum(len(q) for q in [*self.queued.values(), *self.waiting.values()])
         return {"queued": queued, "carried": self.carried, "sent_alone": self.sent_alone,
                 "replies_deferred": self.replies_deferred}

@@ -125,8 +125,9 @@ the difference.
 Notifications riding on a message
 ---------------------------------
 A notification nobody waits for (an RRef user's delete, a segment release)
-need not be a message of its own: the sender may append it to the next message
-it sends to that worker anyway. Then the header has ``FLAG_RIDERS`` set and the
+need not be a message of its own: the sender may append it to a later message
+it sends to that worker anyway (the next one, or, for RRef deletes, one of a
+batch's: ``agent/_riders.py``). Then the header has ``FLAG_RIDERS`` set and the
 message's last frame (after the shared-memory index frame, if any) holds one or
 more entries, each as ``!BQI`` (kind, message id, payload length) followed by
 that many payload bytes. The receiver handles them in order, before the message

@@ -475,6 +475,7 @@ def _shutdown_rrefs(agent: Agent, ctx: RRefContext, deadline: float) -> None:
     deadline = min(now + (deadline - now) / 2, now + SHUTDOWN_RREF_WAIT_LIMIT)
     drained = ctx.wait_until(lambda: not ctx.pending_users and not ctx.pending_children, deadline)
     ctx.delete_all_users()
+    agent.riders.flush(everything=True)  # (deletes wait to ride in batches: not now)
     if agent.dynamic:
         # the others go on: forks they keep would be waited for in vain (deletes in flight
         # still get a moment to arrive)
@@ -498,8 +499,8 @@ def _shutdown_rrefs(agent: Agent, ctx: RRefContext, deadline: float) -> None:
 
 def _install(agent: Agent) -> None:
     def send_control(dest: int, kind: str, payload: tuple[Any, ...]) -> None:
-        # Safe from __del__ and under the context's lock: only queued. A delete rides on
-        # the next message to the owner (or goes alone within 10 ms): nobody waits for it.
+        # Safe from __del__ and under the context's lock: only queued. Deletes ride in
+        # batches on messages to the owner (or go alone within 10 ms): nobody waits for them.
         if kind == USER_DELETE:
             agent.notify_soon(dest, MessageKind.RREF_USER_DELETE, payload)
         elif kind == CHILD_ACCEPT:
@@ -524,6 +525,7 @@ def _install(agent: Agent) -> None:
         MessageKind.RREF_USER_DELETE, lambda r: _handle_user_delete(agent, r), inline=True,
         after_carrier=True,
     )
+    agent.riders.batch_kind(MessageKind.RREF_USER_DELETE)  # (only lets a value go, later)
     agent.add_shutdown_hook(lambda deadline: _shutdown_rrefs(agent, ctx, deadline))
 
     def close(graceful: bool) -> None:
