@@ -547,7 +547,7 @@ class RRefContext:
             if self.closed or handle._deleted or not handle._confirmed:
                 return
             handle._deleted = True
-        self._emit(handle._owner_rank, USER_DELETE, (handle._rref_id, handle._fork_id))
+        self._send_control(handle._owner_rank, USER_DELETE, (handle._rref_id, handle._fork_id))
 
     def delete_all_users(self) -> int:
         """Send a delete for every live confirmed user (graceful shutdown); return how many."""

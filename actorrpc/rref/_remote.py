@@ -14,7 +14,6 @@ import torch
 
 from ..agent import (
     Agent,
-    CallRecord,
     CallResult,
     IncomingRequest,
     current_agent,
@@ -174,7 +173,7 @@ def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
         value, error = _run_creation(agent, request.sender, func, args, kwargs, meta)
         if error is None and not isinstance(value, torch._C.Future):
             request.after_reply = lambda: ctx.on_remote_call(rref_id, fork_id).set_value(value)
-            return _created_reply(agent, request, lambda call: value)
+            return _created_reply(agent, request, lambda: value)
         state = ctx.on_remote_call(rref_id, fork_id)
     else:
         state = ctx.on_remote_call(rref_id, fork_id)
@@ -190,7 +189,7 @@ def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
                 state.set_error(failure)
             _release_self_owner(ctx, rref_id, fork_id)
             if failure is None:
-                reply.set_result(_created_reply(agent, request, lambda call: state.wait(0)))
+                reply.set_result(_created_reply(agent, request, lambda: state.wait(0)))
             else:  # a copy: ``reply`` must not hold the exception the state holds
                 reply.set_exception(copy_exception(failure))
 
@@ -199,22 +198,27 @@ def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
     if error is None:
         state.set_value(value)
         _release_self_owner(ctx, rref_id, fork_id)
-        return _created_reply(agent, request, lambda call: state.wait(0))
+        return _created_reply(agent, request, lambda: state.wait(0))
     state.set_error(error)
     _release_self_owner(ctx, rref_id, fork_id)
     raise copy_exception(error, keep_traceback=True)
 
 
 def _created_reply(
-    agent: Agent, request: IncomingRequest, created: Callable[[CallRecord], Any]
+    agent: Agent, request: IncomingRequest, created: Callable[[], Any]
 ) -> Any:
     """The answer to a creation that succeeded: None, or for REMOTE_CALL_FETCH the value,
-    ``created(call)`` (served as a fetch that arrived before the value existed would be,
+    ``created()`` (served as a fetch that arrived before the value existed would be,
     right now)."""
     if request.kind != MessageKind.REMOTE_CALL_FETCH:
         return None
     try:  # encoded here: a value that cannot be pickled fails the fetch, not the creation
-        return encode_reply(request.sender.id, agent.serve(request.sender, {}, (), {}, created))
+        sender = request.sender
+        if agent.serving_without_meta:  # served as any fetch (a hook serves calls without meta)
+            value = agent.serve(sender, {}, (), {}, lambda call: created())
+        else:
+            value = created()
+        return encode_reply(sender.id, value)
     except BaseException as exc:  # noqa: BLE001 - the creator's to_here() raises it
         return FetchFailure(pack_exception(exc, repr(agent.info)))
 
@@ -228,9 +232,11 @@ def _run_creation(
     reference a frame that holds the state.
     """
     try:
-        value = agent.serve(
-            sender, meta, args, kwargs, lambda call: run_user_function(func, call.args, call.kwargs)
-        )
+        if not meta and not agent.serving_without_meta:  # no hook has anything to do
+            value = run_user_function(func, args, kwargs)
+        else:
+            value = agent.serve(sender, meta, args, kwargs,
+                                lambda call: run_user_function(func, call.args, call.kwargs))
     except BaseException as exc:  # noqa: BLE001 - stored on the owner
         return None, exc
     return value, None
@@ -501,8 +507,8 @@ def _install(agent: Agent) -> None:
     def send_control(dest: int, kind: str, payload: tuple[Any, ...]) -> None:
         # Safe from __del__ and under the context's lock: only queued. Deletes ride in
         # batches on messages to the owner (or go alone within 10 ms): nobody waits for them.
-        if kind == USER_DELETE:
-            agent.notify_soon(dest, MessageKind.RREF_USER_DELETE, payload)
+        if kind == USER_DELETE:  # (Agent.notify_soon's queue, without that call)
+            agent.riders.add(dest, MessageKind.RREF_USER_DELETE, payload)
         elif kind == CHILD_ACCEPT:
             agent.call_soon(send_child_accept, agent, dest, *payload)
         else:  # pragma: no cover - the context sends no other kind
