@@ -226,6 +226,49 @@ def test_everything_flushes_waiting_notifications_and_a_departed_worker_drops_th
     assert not riders.waiting and riders.seconds_to_due(0.0) is None
 
 
+class _FinalizerInside(dict):  # type: ignore[type-arg]
+    """A table of ``Riders`` whose method ``hooked`` first runs ``finalizer`` (once): as
+    if the collector ran a finalizer in the middle of a change of the tables."""
+
+    def __init__(self, contents: dict[Any, Any], hooked: str, finalizer: Any) -> None:
+        super().__init__(contents)
+        self._hooked, self._finalizer = hooked, finalizer
+
+    def __getattribute__(self, name: str) -> Any:
+        if name not in ("_hooked", "_finalizer") and name == self._hooked:
+            finalizer, self._finalizer = self._finalizer, None
+            if finalizer is not None:
+                finalizer()
+        return super().__getattribute__(name)
+
+
+def test_a_finalizer_queueing_inside_a_change_loses_nothing_and_keeps_the_order(
+    monkeypatch,
+) -> None:
+    _, riders, clock = _batching(monkeypatch)
+    riders.add(1, MessageKind.RREF_USER_DELETE, ("a",))
+    clock[0] += 0.01  # the next batched one makes them all ride
+
+    def finalizer() -> None:
+        riders.add(1, MessageKind.RREF_USER_DELETE, ("finalizer",))
+
+    # the finalizer runs while the outer add has taken worker 1's waiting list
+    riders.waiting = _FinalizerInside(riders.waiting, "pop", finalizer)
+    riders.add(1, MessageKind.RREF_USER_DELETE, ("b",))
+    assert [entry[2] for entry in riders.take(1)] == [("a",), ("b",)]
+    assert riders.waiting[1] == [(_DELETE, 0, ("finalizer",))]  # a new batch, after them
+    assert riders.seconds_to_due(clock[0]) == pytest.approx(RIDER_DELAY)
+
+    def another() -> None:
+        riders.add(2, MessageKind.SHM_RELEASE, ["segment"])
+
+    riders.add(2, MessageKind.SHM_RELEASE, ["first"])
+    riders._due = _FinalizerInside(riders._due, "pop", another)  # inside take()
+    assert [entry[2] for entry in riders.take(2)] == [["first"]]
+    assert riders.take(2) == [(int(MessageKind.SHM_RELEASE), 0, ["segment"])]  # kept for later
+    assert riders._depth == 0 and not riders._nested
+
+
 def test_a_pool_thread_runs_before_wait_while_busy_before_it_blocks_and_exits() -> None:
     waits: list[tuple[bool, int]] = []
     ran = threading.Event()

@@ -1286,23 +1286,26 @@ def test_user_deletes_ride_in_batches_on_messages_to_the_owner(cluster, monkeypa
     del rrefs
 
     def batch_queued_rest_waiting() -> bool:
-        # (a liveness PING may carry the full batch already)
+        # (a liveness PING may carry the full batch already; carried counts every worker's)
         queued = len(agent.riders.queued.get(owner, []))
         waiting = len(agent.riders.waiting.get(owner, []))
-        return queued + agent.riders.carried - carried == 16 and waiting == 4
+        return queued + agent.riders.carried - carried + waiting >= 20
 
     assert wait_until(batch_queued_rest_waiting, WAIT)
+    # (4 wait, unless a late delete of an earlier test's RRef joined the batches)
+    rest = agent.riders.waiting[owner][:]
+    assert 1 <= len(rest) < 16
     assert not agent.idle()  # deletes still to send
     rpc.rpc_sync("worker1", debug_info)  # carries the full batch, not the rest
-    assert agent.riders.carried - carried == 16
-    assert len(agent.riders.waiting[owner]) == 4
+    assert agent.riders.carried - carried >= 16 and not agent.riders.queued.get(owner)
+    assert agent.riders.waiting[owner] == rest
     assert agent.riders.sent_alone == alone
     assert agent.stats.calls_sent[owner] - sent <= 2  # (a liveness PING may go too)
-    rpc.rpc_sync("worker1", debug_info)  # a call more: still the same 4 waiting
-    assert len(agent.riders.waiting[owner]) == 4
-    assert agent.riders.describe()["queued"] == 4
+    rpc.rpc_sync("worker1", debug_info)  # a call more: still the same ones waiting
+    assert agent.riders.waiting[owner] == rest
+    assert agent.riders.describe()["queued"] >= len(rest)
     agent.riders.flush(everything=True)  # (what a graceful shutdown does)
-    assert not agent.riders.waiting and agent.riders.sent_alone == alone + 1
+    assert not agent.riders.waiting.get(owner) and agent.riders.sent_alone > alone
     # the owner applies them once it served the call that carried them (its reply does
     # not wait for them); at most before: an earlier test's RRef may be freed meanwhile
     assert wait_until(

@@ -104,11 +104,14 @@ def test_remote_then_to_here_is_one_request(kinds_sent_to_worker1: list[str]) ->
 
 @pytest.mark.timeout(60)
 def test_a_remote_whose_rref_replaces_another_still_goes_with_its_to_here(
-    kinds_sent_to_worker1: list[str],
+    kinds_sent_to_worker1: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``rref = rpc.remote(...)`` drops the RRef held in ``rref`` before: its finalizer
     runs between remote() and to_here(), and only queues its delete (which rides on
-    the merged request)."""
+    the merged request, as a batch of one here)."""
+    from actorrpc.agent import _riders
+
+    monkeypatch.setattr(_riders, "BATCH_SIZE", 1)
     agent = current_agent()
     merged = agent.held.merged
     deletes = agent.riders.carried

@@ -246,7 +246,8 @@ class Agent(MessageDispatcher):
         self._soon.put((fn, args))
 
     def notify_soon(self, rank: int, kind: MessageKind, payload: Any) -> None:
-        """Send a notification to ``rank`` on the next message to it, or alone within 10 ms.
+        """Send a notification to ``rank`` on the next message to it (kinds registered with
+        ``riders.batch_kind``: a later one, in a batch), or alone within 10 ms.
 
         For notifications nobody waits for (``payload``: plain tuples and lists of
         scalars); safe from ``__del__``, finalizers and any thread.

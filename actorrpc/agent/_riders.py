@@ -20,8 +20,10 @@ to build, send and take apart; 85 → 73 µs per iteration).
 
 Invariants:
 
-* Queueing only appends (or moves a worker's ``waiting`` list to the end of its
-  ``queued`` list) under a re-entrant lock: finalizers (which may run on
+* Every change of the tables holds a re-entrant lock and counts as a change in
+  progress (:meth:`Riders._changing`); a notification queued on that thread
+  meanwhile (by a finalizer the collector ran inside it) is applied after the
+  outermost change: finalizers (which may run on
   any thread, even inside garbage collection on a thread that holds the lock)
   and ``__del__`` may queue.
 * A queued notification is sent at most once: taken out of the queue for a
@@ -61,7 +63,8 @@ import pickle
 import threading
 import time
 import types
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..protocol import MessageKind, encode_riders
 
@@ -100,6 +103,7 @@ MAX_RIDING_REPLY = 8192
 """Largest pickled reply (bytes, with no buffers) that may ride on a later message."""
 
 _Queued = list[tuple[int, int, Any]]  # (kind, message id, payload or a reply's body)
+_T = TypeVar("_T")
 
 
 class Riders:
@@ -117,6 +121,10 @@ class Riders:
         # oldest of them was added (they must leave RIDER_DELAY after that)
         self.waiting: dict[int, _Queued] = {}
         self._waiting_since: dict[int, float] = {}
+        # changes in progress on the thread holding the lock, and the adds of finalizers
+        # that ran inside them (see _changing)
+        self._depth = 0
+        self._nested: list[tuple[int, tuple[int, int, Any], float]] = []
         # per thread: .ranks, where its queued replies go; .quick, (kind, function) of the
         # last request it ran if that was quick
         self._owed = threading.local()
@@ -134,38 +142,57 @@ class Riders:
         entry = (int(kind), 0, payload)
         now = time.monotonic()
         with self._lock:
-            if entry[0] in self._batched:
-                waiting = self.waiting.setdefault(rank, [])
-                waiting.append(entry)
-                since = self._waiting_since.setdefault(rank, now)
-                if len(waiting) < BATCH_SIZE and now - since < BATCH_AGE:
-                    return
-                self._release_waiting(rank)
+            if self._depth:  # a finalizer run inside a change on this thread: after it
+                self._nested.append((rank, entry, now))
                 return
-            self._release_waiting(rank)
-            self.queued.setdefault(rank, []).append(entry)
-            self._due.setdefault(rank, now + RIDER_DELAY)
+            self._changing(self._queue, rank, entry, now)
+
+    def _changing(self, change: Callable[..., _T], *args: Any) -> _T:
+        """``change(*args)`` with the lock, as a change of the tables: an :meth:`add` that
+        a finalizer makes on this thread meanwhile (the collector runs them at any
+        allocation, in the middle of a change) is applied once the outermost change ended.
+        """
+        with self._lock:
+            self._depth += 1
+            try:
+                return change(*args)
+            finally:
+                if self._depth == 1:
+                    try:
+                        nested = self._nested
+                        while nested:
+                            self._queue(*nested.pop(0))
+                    finally:
+                        self._depth -= 1
+                else:
+                    self._depth -= 1
+
+    def _queue(self, rank: int, entry: tuple[int, int, Any], now: float) -> None:
+        if entry[0] in self._batched:
+            waiting = self.waiting.setdefault(rank, [])
+            waiting.append(entry)
+            since = self._waiting_since.setdefault(rank, now)
+            if len(waiting) >= BATCH_SIZE or now - since >= BATCH_AGE:
+                self._release_waiting(rank)
+            return
+        self._release_waiting(rank)
+        self.queued.setdefault(rank, []).append(entry)
+        self._due.setdefault(rank, now + RIDER_DELAY)
 
     def _release_waiting(self, rank: int) -> None:
-        """Move ``rank``'s waiting notifications to the end of its queue (with the lock)."""
-        waiting = self.waiting.pop(rank, None)
+        """Move ``rank``'s waiting notifications to the end of its queue (in a change)."""
+        waiting = self.waiting.get(rank)
         if waiting:
             self.queued.setdefault(rank, []).extend(waiting)
             self._due.setdefault(rank, self._waiting_since[rank] + RIDER_DELAY)
+        self.waiting.pop(rank, None)
         self._waiting_since.pop(rank, None)
 
     def add_reply(self, rank: int, message_id: int, body: bytes) -> None:
         """Queue the reply to request ``message_id`` of worker ``rank`` (``body``: its
         pickled value, no buffers); this thread owes its flush (:meth:`settle_owed`)."""
         due = time.monotonic() + REPLY_DELAY
-        with self._lock:
-            if rank in self.waiting:
-                self._release_waiting(rank)
-            self.queued.setdefault(rank, []).append((int(MessageKind.RESPONSE), message_id, body))
-            earlier = due < self._due.get(rank, float("inf"))
-            if earlier:
-                self._due[rank] = due
-            self.replies_deferred += 1
+        earlier = self._changing(self._queue_reply, rank, message_id, body, due)
         owed = getattr(self._owed, "ranks", None)
         if owed is None:
             owed = self._owed.ranks = set()
@@ -174,6 +201,16 @@ class Riders:
         agent.stats.bytes_out[rank] += len(body)
         if earlier:  # the I/O thread sends it by then if nothing else does
             agent.inbox.wake_io_by(due, agent.wake_inbox)
+
+    def _queue_reply(self, rank: int, message_id: int, body: bytes, due: float) -> bool:
+        if rank in self.waiting:
+            self._release_waiting(rank)
+        self.queued.setdefault(rank, []).append((int(MessageKind.RESPONSE), message_id, body))
+        earlier = due < self._due.get(rank, float("inf"))
+        if earlier:
+            self._due[rank] = due
+        self.replies_deferred += 1
+        return earlier
 
     def before_request(self, kind: int, first: Any) -> None:
         """This thread is about to run a request of ``kind`` whose payload starts with
@@ -209,30 +246,35 @@ class Riders:
         """Everything queued for ``rank``, to go on a message to it (cheap when nothing is)."""
         if rank not in self.queued:
             return []
-        with self._lock:
-            self._due.pop(rank, None)
-            return self.queued.pop(rank, [])
+        return self._changing(self._take, rank)
+
+    def _take(self, rank: int) -> _Queued:
+        self._due.pop(rank, None)
+        return self.queued.pop(rank, [])
 
     def put_back(self, rank: int, queued: _Queued) -> None:
         """The message that was to carry ``queued`` was not sent: they go first next time."""
         if queued:
             replies = any(entry[1] for entry in queued)
             due = time.monotonic() + (REPLY_DELAY if replies else RIDER_DELAY)
-            with self._lock:
-                # in place: a finalizer may add to this list while this line runs
-                self.queued.setdefault(rank, [])[:0] = queued
-                self._due[rank] = min(self._due.get(rank, float("inf")), due)
+            self._changing(self._put_back, rank, queued, due)
             if replies:
                 agent = self._agent
                 agent.inbox.wake_io_by(due, agent.wake_inbox)
 
+    def _put_back(self, rank: int, queued: _Queued, due: float) -> None:
+        self.queued.setdefault(rank, [])[:0] = queued
+        self._due[rank] = min(self._due.get(rank, float("inf")), due)
+
     def drop(self, rank: int) -> None:
         """Worker ``rank`` is gone: nothing queued for it will be sent."""
-        with self._lock:
-            self.queued.pop(rank, None)
-            self._due.pop(rank, None)
-            self.waiting.pop(rank, None)
-            self._waiting_since.pop(rank, None)
+        self._changing(self._drop, rank)
+
+    def _drop(self, rank: int) -> None:
+        self.queued.pop(rank, None)
+        self._due.pop(rank, None)
+        self.waiting.pop(rank, None)
+        self._waiting_since.pop(rank, None)
 
     @staticmethod
     def encode(queued: _Queued) -> bytes:
@@ -248,9 +290,11 @@ class Riders:
         (None: nothing)."""
         if not self.queued and not self.waiting:
             return None
-        with self._lock:
-            dues = [*self._due.values(), *(s + RIDER_DELAY for s in self._waiting_since.values())]
-        return min(dues, default=now) - now
+        return self._changing(self._next_due, now) - now
+
+    def _next_due(self, now: float) -> float:
+        dues = [*self._due.values(), *(s + RIDER_DELAY for s in self._waiting_since.values())]
+        return min(dues, default=now)
 
     def flush(self, everything: bool = False, now: float | None = None) -> None:
         """Send what is due by ``now`` (default: the monotonic clock), or ``everything``,
@@ -263,13 +307,15 @@ class Riders:
             return
         if now is None:
             now = time.monotonic()
-        with self._lock:
-            for rank, since in list(self._waiting_since.items()):
-                if everything or since + RIDER_DELAY <= now:
-                    self._release_waiting(rank)
-            ranks = [r for r, due in list(self._due.items()) if everything or due <= now]
-        for rank in ranks:
+        for rank in self._changing(self._due_ranks, everything, now):
             self._send_alone(rank)
+
+    def _due_ranks(self, everything: bool, now: float) -> list[int]:
+        """The ranks whose queue must leave now, after what waited too long joined it."""
+        for rank, since in list(self._waiting_since.items()):
+            if everything or since + RIDER_DELAY <= now:
+                self._release_waiting(rank)
+        return [r for r, due in list(self._due.items()) if everything or due <= now]
 
     def _send_alone(self, rank: int) -> None:
         agent = self._agent
@@ -279,15 +325,15 @@ class Riders:
         try:
             agent.send_notification(rank, MessageKind.PING, ())
         except Exception as exc:  # noqa: BLE001 - the peer is gone or we are closing
-            with self._lock:
-                count = len(self.queued.get(rank, ()))
+            count = self._changing(lambda: len(self.queued.get(rank, ())))
             self.drop(rank)
             agent.warn(f"cannot send {count} notifications or replies to worker {rank}: {exc}")
         else:
             self.sent_alone += 1
 
     def describe(self) -> dict[str, int]:
-        with self._lock:
-            queued = sum(len(q) for q in [*self.queued.values(), *self.waiting.values()])
+        queued = self._changing(
+            lambda: sum(len(q) for q in [*self.queued.values(), *self.waiting.values()])
+        )
         return {"queued": queued, "carried": self.carried, "sent_alone": self.sent_alone,
                 "replies_deferred": self.replies_deferred}

@@ -386,7 +386,7 @@ class RRef(Generic[T]):
 
 
 # ``rref = rpc.remote(...)`` in a loop drops the previous RRef between remote() and
-# to_here(): its delete only queues a notification (riding on the merged request)
+# to_here(): its delete only queues a notification (riding on a later request, in a batch)
 ignore_while_holding(RRef.__del__.__code__)
 
 _NOT_HELD = object()
