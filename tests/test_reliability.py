@@ -546,7 +546,7 @@ def driver_curve(ctx):
     res["remote.to_here"] = float(rref.to_here().sum())
     res["round_trip"] = rpc.rpc_sync("worker1", call_peer, args=("worker0", 7, 8))
     del rref
-    from actorrpc.transport._zmq import _curve_keypair
+    from actorrpc.transport._security import curve_keypair as _curve_keypair
     group_public, group_secret_key = _curve_keypair(secret)
     other_public, other_secret = zmq.curve_keypair()
     attackers = {

@@ -404,6 +404,117 @@ def test_a_busy_poll_finds_a_ring_message(pair) -> None:
     assert receiver.busy_poll_hits == hits + 1
 
 
+class _Clock:
+    """``time.monotonic`` for the transport, with a hook run at a given reading."""
+
+    def __init__(self, at: int, hook, step: float = 0.0) -> None:
+        self.readings = 0
+        self._at, self._hook, self._step, self._offset = at, hook, step, 0.0
+
+    def __call__(self) -> float:
+        self.readings += 1
+        if self.readings == self._at:
+            self._hook()
+        self._offset += self._step
+        return time.monotonic() + self._offset
+
+
+def _quiet(receiver: Transport) -> None:
+    """No socket message in or out for long (as after the switch, in a ring-only flow)."""
+    receiver.socket_activity.at = float("-inf")
+
+
+def _spinning(pair, monkeypatch: pytest.MonkeyPatch):
+    """The pair switched to a ring, busy polls spinning first for 30 s: (link, receiver)."""
+    from actorrpc.transport import _zmq
+
+    sender, receiver = pair
+    link = _switched(sender, receiver)
+    _quiet(receiver)
+    monkeypatch.setattr(_zmq, "_SPIN_SECONDS", 30.0)
+    monkeypatch.setattr(_zmq, "_LONG_YIELD_SECONDS", 30.0)  # (a send in a yield is slow)
+    return link, receiver
+
+
+def _send_in_the_first_yield(monkeypatch: pytest.MonkeyPatch, link, text: bytes) -> list[int]:
+    """Yields are counted (in the list returned); the first sends ``text`` on ``link``."""
+    from actorrpc.transport import _zmq
+
+    yields: list[int] = []
+
+    def send_in_the_first_yield() -> None:
+        yields.append(1)
+        if len(yields) == 1:
+            link.send([b"AR-header", text])
+
+    monkeypatch.setattr(_zmq, "_sched_yield", send_in_the_first_yield)
+    return yields
+
+
+def _polled(receiver: Transport) -> list[bytes]:
+    messages = receiver.receive(30.0, busy_until=time.monotonic() + 30.0)
+    return [bytes(m[2].buffer) for m in messages]  # type: ignore[attr-defined]
+
+
+def test_a_busy_poll_spins_without_yielding_while_only_rings_carried_messages(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorrpc.transport import _zmq
+
+    link, receiver = _spinning(pair, monkeypatch)
+    yields: list[int] = []
+    monkeypatch.setattr(_zmq, "_sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(_zmq, "_SHARED_CORE_SECONDS", 30.0)  # (a preempted spin goes on)
+    # the message is written after a few rounds of the spin
+    clock = _Clock(5, lambda: link.send([b"AR-header", b"spun"]))
+    monkeypatch.setattr(_zmq, "_monotonic", clock)
+    assert _polled(receiver) == [b"spun"]
+    assert clock.readings >= 5 and yields == []
+
+
+def test_a_busy_poll_yields_from_the_start_after_a_socket_message(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorrpc.transport import _zmq
+
+    link, receiver = _spinning(pair, monkeypatch)
+    monkeypatch.setattr(_zmq, "_QUIET_SOCKET_SECONDS", 60.0)  # (however slow this test runs)
+    third = Transport(b"2:third", secret="s", security="plain")
+    try:  # its first message goes by socket (no ring yet)
+        third.link(b"1:receiver", receiver.endpoint).send([b"AR-header", b"by socket"])
+        assert wait_until(lambda: receiver.receive(0.01) != [], timeout=20)
+        assert receiver.socket_activity.at > float("-inf")  # a message came by socket
+    finally:
+        third.close()
+    _send_in_the_first_yield(monkeypatch, link, b"after a yield")
+    assert _polled(receiver) == [b"after a yield"]
+    # and a message sent by socket counts as well
+    sender, _ = pair
+    _quiet(receiver)
+    receiver.link(b"0:sender", sender.endpoint).send([b"AR-header", b"out by socket"])
+    assert receiver.socket_activity.at > float("-inf")
+
+
+def test_a_spin_that_lost_its_core_makes_polls_yield_for_a_while(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorrpc.transport import _zmq
+
+    link, receiver = _spinning(pair, monkeypatch)
+    monkeypatch.setattr(_zmq, "_SHARED_CORE_PAUSE_SECONDS", 60.0)
+    yields = _send_in_the_first_yield(monkeypatch, link, b"after the core was lost")
+    # each reading of the clock 1 ms after the one before: as if another thread ran
+    monkeypatch.setattr(_zmq, "_monotonic", _Clock(0, lambda: None, step=0.001))
+    stopped = receiver.spins_stopped
+    assert _polled(receiver) == [b"after the core was lost"]
+    assert receiver.spins_stopped == stopped + 1 and yields
+    monkeypatch.setattr(_zmq, "_monotonic", time.monotonic)
+    # the next poll yields from the start (else it would spin for 30 s: nothing sends)
+    _send_in_the_first_yield(monkeypatch, link, b"next")
+    assert _polled(receiver) == [b"next"]
+    assert receiver.spins_stopped == stopped + 1
+
+
 def test_large_messages_spill_and_keep_their_order_with_the_ring(pair) -> None:
     sender, receiver = pair
     link = _switched(sender, receiver)

@@ -13,7 +13,7 @@ Invariants:
   and then block the sender (back-pressure); a link that cannot take a message
   within the send timeout raises :class:`~actorrpc.errors.PeerUnreachableError`.
 * Every connection is authenticated before a byte of it reaches the inbox
-  (ZAP with PLAIN credentials by default, or CURVE, which also encrypts).
+  (ZAP with PLAIN credentials by default, or CURVE, which also encrypts: ``_security``).
 * libzmq's threads of a transport are named ``<n>/ZMQbg/...`` with ``n``
   unique in the process, so that their scheduling policy can be set
   (``agent._batch_scheduling``) without touching other contexts' threads.
@@ -21,7 +21,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
@@ -32,17 +31,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import zmq
-import zmq.auth.thread
+import zmq.auth.thread  # (the type of the authenticator)
 
 from ..errors import ActorRpcError, InvalidArgumentError, PeerUnreachableError, ProtocolError
 from ._ring import RingWriter, full_fence, rings_supported
 from ._ring_inbox import RING_ACCEPT, RING_OFFER, RingInbox
+from ._security import configure_client, configure_server
 
-__all__ = ["SECURITY_MODES", "PeerLink", "Transport"]
+__all__ = ["SECURITY_MODES", "PeerLink", "SocketActivity", "Transport"]
 
 SECURITY_MODES = ("plain", "curve", "none")
-_ZAP_DOMAIN = "actorrpc"
-_USER = "actorrpc"
 _RECV_BATCH = 256
 _WAKE_ID = b"!wake"  # agent identities start with a rank digit
 _CONTROL = b"!"  # transport control messages start with it (``_ring_inbox``)
@@ -76,6 +74,19 @@ _sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 # preemption), so polls stop for a while: a pause that doubles while yields keep
 # being long (up to the maximum) and starts again from the minimum after a hit.
 _LONG_YIELD_SECONDS = 0.0005
+# A busy poll first spins for this long without yielding, while only same-host rings
+# carried this process's messages lately: a yield hands the core to the threads that
+# run only then (the SCHED_BATCH ones: the agent's I/O thread, for its looks and timed
+# work, and libzmq's), and each such run leaves the poller to go on with cold caches,
+# while none of them is needed to bring a ring's message. Any socket message in or out
+# within _QUIET_SOCKET_SECONDS (libzmq's threads may have it in hand), or a spin that
+# found the core taken from it for _SHARED_CORE_SECONDS (another runnable thread
+# shares it: spinning would keep it waiting), makes polls yield from the start again,
+# the latter for _SHARED_CORE_PAUSE_SECONDS.
+_SPIN_SECONDS = 0.0005
+_QUIET_SOCKET_SECONDS = 0.01
+_SHARED_CORE_SECONDS = 0.0003
+_SHARED_CORE_PAUSE_SECONDS = 0.02
 _MIN_CONTENDED_PAUSE_SECONDS = 0.02
 _MAX_CONTENDED_PAUSE_SECONDS = 1.0
 
@@ -92,27 +103,23 @@ def _thread_name(tid: int) -> str:
         return ""  # the thread ended
 
 
-def _curve_keypair(secret: str) -> tuple[bytes, bytes]:
-    """A CURVE keypair derived from the group secret: every member shares it."""
-    secret_key = zmq.utils.z85.encode(hashlib.sha256(secret.encode()).digest())
-    return zmq.curve_public(secret_key), secret_key
+class SocketActivity:
+    """When a message last went by socket, in or out, in one transport (a plain store
+    from any thread: a hint for its busy polls)."""
 
+    __slots__ = ("at",)
 
-class _CurveKeyCheck:
-    """ZAP callback that admits only the group's public key."""
-
-    def __init__(self, public_key: bytes) -> None:
-        self._public_key = public_key
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return zmq.utils.z85.encode(key) == self._public_key or key == self._public_key
+    def __init__(self) -> None:
+        self.at = float("-inf")
 
 
 class PeerLink:
     """A DEALER socket connected to one peer's inbox, safe to share between threads."""
 
-    def __init__(self, socket: zmq.Socket[Any], endpoint: str) -> None:
+    def __init__(self, socket: zmq.Socket[Any], endpoint: str,
+                 activity: SocketActivity | None = None) -> None:
         self._socket = socket
+        self._activity = activity or SocketActivity()
         self._lock = threading.Lock()
         self.endpoint = endpoint
         self.closed = False
@@ -138,6 +145,7 @@ class PeerLink:
                     return
                 frames = ring.spill_frames(frames)  # no room: by socket, in its turn
                 last = len(frames) - 1
+            self._activity.at = _monotonic()
             try:
                 for index, frame in enumerate(frames):
                     flags = _SNDMORE if index < last else 0
@@ -278,7 +286,9 @@ class Transport:
             self._inbox.setsockopt(zmq.RCVHWM, high_water_mark)
             self._inbox.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._inbox.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            self._configure_server(self._inbox)
+            self._authenticator = configure_server(
+                self._inbox, self._context, self._security, self._secret
+            )
             wildcard = "*" if bind_host in ("0.0.0.0", "*", "") else bind_host
             port = self._inbox.bind_to_random_port(f"tcp://{wildcard}")
         except zmq.ZMQError as exc:
@@ -301,6 +311,10 @@ class Transport:
         self.busy_poll_misses = 0  # busy polls that gave up and blocked
         self.busy_poll_contended = 0  # of those, polls ended by a long yield
         self._no_poll_until = 0.0  # after a long yield: no busy polls until then
+        self._no_spin_until = 0.0  # after a spin lost the core: polls yield until then
+        self.spins_stopped = 0  # spins that lost the core (statistics)
+        # when a message last went by socket, in or out (see _SPIN_SECONDS)
+        self.socket_activity = SocketActivity()
         self._contended_pause = _MIN_CONTENDED_PAUSE_SECONDS
         # readable when the inbox may hold messages (ZMQ_FD); any thread may poll it
         self.inbox_fd = int(self._inbox.getsockopt(zmq.FD))
@@ -333,34 +347,6 @@ class Transport:
                 return found
             pause.wait(0.001)
 
-    def _configure_server(self, socket: zmq.Socket[Any]) -> None:
-        if self._security == "none":
-            return
-        self._authenticator = zmq.auth.thread.ThreadAuthenticator(self._context)
-        self._authenticator.start()
-        socket.setsockopt_string(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
-        if self._security == "plain":
-            self._authenticator.configure_plain(_ZAP_DOMAIN, {_USER: self._secret})
-            socket.setsockopt(zmq.PLAIN_SERVER, 1)
-        else:
-            public, secret_key = _curve_keypair(self._secret)
-            self._authenticator.configure_curve_callback(
-                _ZAP_DOMAIN, credentials_provider=_CurveKeyCheck(public)
-            )
-            socket.setsockopt(zmq.CURVE_SERVER, 1)
-            socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            socket.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
-
-    def _configure_client(self, socket: zmq.Socket[Any]) -> None:
-        if self._security == "plain":
-            socket.setsockopt_string(zmq.PLAIN_USERNAME, _USER)
-            socket.setsockopt_string(zmq.PLAIN_PASSWORD, self._secret)
-        elif self._security == "curve":
-            public, secret_key = _curve_keypair(self._secret)
-            socket.setsockopt(zmq.CURVE_SERVERKEY, public)
-            socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            socket.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
-
     def link(self, peer: bytes, endpoint: str) -> PeerLink:
         """Return the link to ``peer``'s inbox at ``endpoint``, connecting on first use."""
         link = self._links.get(peer)
@@ -379,13 +365,13 @@ class Transport:
                 socket.setsockopt(zmq.TCP_KEEPALIVE, 1)
                 socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
                 socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-                self._configure_client(socket)
+                configure_client(socket, self._security, self._secret)
                 socket.connect(endpoint)
             except zmq.ZMQError as exc:
                 raise PeerUnreachableError(f"cannot connect to {endpoint}: {exc}") from exc
             if link is not None:
                 link.close()
-            link = PeerLink(socket, endpoint)
+            link = PeerLink(socket, endpoint, self.socket_activity)
             self._links[peer] = link
         if self._rings and peer != self._identity and _host(endpoint) == _host(self.endpoint):
             link.offer_ring()
@@ -480,6 +466,7 @@ class Transport:
                     frame = _socket_recv(inbox, 0, False)
                     message.append(frame)
             if message[0] != _WAKE_ID:
+                self.socket_activity.at = _monotonic()
                 if len(message) > 1 and message[1][:1] == _CONTROL:
                     self._answer_control(message, messages)
                 else:
@@ -542,12 +529,25 @@ class Transport:
         message waits."""
         rings_ready = self._ring_inbox.any_ready if self._ring_inbox.snapshot else None
         socket_has_message = self._socket_has_message
+        last = _monotonic()
+        spin_until = last  # (no spin: see _SPIN_SECONDS)
+        if rings_ready is not None and last >= self._no_spin_until and (
+            last - self.socket_activity.at >= _QUIET_SOCKET_SECONDS
+        ):
+            spin_until = last + _SPIN_SECONDS
         while not socket_has_message():
             if rings_ready is not None and rings_ready():
                 return True
             now = _monotonic()
             if now >= until:
                 return False
+            if now < spin_until:
+                if now - last >= _SHARED_CORE_SECONDS:  # the core was given to another thread
+                    spin_until = now
+                    self._no_spin_until = now + _SHARED_CORE_PAUSE_SECONDS
+                    self.spins_stopped += 1
+                last = now
+                continue
             _sched_yield()
             if watch_contention and _monotonic() - now > _LONG_YIELD_SECONDS:
                 pause = self._contended_pause
