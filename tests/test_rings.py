@@ -515,6 +515,18 @@ def test_a_spin_that_lost_its_core_makes_polls_yield_for_a_while(
     assert receiver.spins_stopped == stopped + 1
 
 
+def test_a_thread_handed_work_makes_polls_yield_for_a_while(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorrpc.transport import _zmq
+
+    link, receiver = _spinning(pair, monkeypatch)
+    monkeypatch.setattr(_zmq, "_SHARED_CORE_PAUSE_SECONDS", 60.0)
+    receiver.share_core(time.monotonic())  # (the agent's inbox, at a hand-off)
+    _send_in_the_first_yield(monkeypatch, link, b"yielded")
+    assert _polled(receiver) == [b"yielded"]  # (a spin would last 30 s: nothing sends)
+
+
 def test_large_messages_spill_and_keep_their_order_with_the_ring(pair) -> None:
     sender, receiver = pair
     link = _switched(sender, receiver)

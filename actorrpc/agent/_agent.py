@@ -203,6 +203,7 @@ class Agent(MessageDispatcher):
                 name_threads=options.batch_scheduling,
                 rings=options.same_host_rings,
             )
+            self.inbox.on_hand_off = self._transport.share_core
             self.batch_scheduling = BatchScheduling(  # libzmq's I/O threads
                 self._transport.io_thread_ids(), options.batch_scheduling
             )

@@ -134,6 +134,9 @@ class InboxTurns:
         # hand_off() calls (by the threads that hand off: a lost increment costs at most
         # one grown look period)
         self._hand_offs = 0
+        # told the time of each hand-off: another thread of this process runs now
+        # (``Transport.share_core``: its polls yield to it)
+        self.on_hand_off: Callable[[float], None] = lambda now: None
         self._no_backoff_until = float("-inf")
         self.probing = False  # the I/O thread handles messages that waited during its back-off
         self._resume = threading.Event()
@@ -162,7 +165,8 @@ class InboxTurns:
         turn itself."""
         self._serving_last = True
         self._hand_offs += 1
-        self._handed_off_at = time.monotonic()
+        self._handed_off_at = now = time.monotonic()
+        self.on_hand_off(now)
 
     def claim(self, request: tuple[Any, ...]) -> bool:
         """Keep ``request`` for the pool thread receiving in a serving turn, if it has none."""

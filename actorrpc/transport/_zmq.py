@@ -557,6 +557,13 @@ class Transport:
                 return False
         return True
 
+    def share_core(self, now: float) -> None:
+        """Another thread of this process got work (a request or reply handed to it):
+        busy polls yield from their start for a while (see ``_SPIN_SECONDS``)."""
+        until = now + _SHARED_CORE_PAUSE_SECONDS
+        if until > self._no_spin_until:
+            self._no_spin_until = until
+
     def _socket_has_message(self) -> bool:
         """Whether the inbox socket holds a message (``ZMQ_EVENTS``, ~3 µs: a system call).
 
