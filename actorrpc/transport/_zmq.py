@@ -78,11 +78,12 @@ _LONG_YIELD_SECONDS = 0.0005
 # carried this process's messages lately: a yield hands the core to the threads that
 # run only then (the SCHED_BATCH ones: the agent's I/O thread, for its looks and timed
 # work, and libzmq's), and each such run leaves the poller to go on with cold caches,
-# while none of them is needed to bring a ring's message. Any socket message in or out
-# within _QUIET_SOCKET_SECONDS (libzmq's threads may have it in hand), or a spin that
-# found the core taken from it for _SHARED_CORE_SECONDS (another runnable thread
-# shares it: spinning would keep it waiting), makes polls yield from the start again,
-# the latter for _SHARED_CORE_PAUSE_SECONDS.
+# while none of them is needed to bring a ring's message. Polls yield from the start
+# again after any socket message in or out within _QUIET_SOCKET_SECONDS (libzmq's
+# threads may have it in hand), and for _SHARED_CORE_PAUSE_SECONDS after a spin found
+# its core taken for _SHARED_CORE_SECONDS or more, or after a request or reply was
+# handed to another thread of this process (``share_core``): spinning would keep a
+# thread that has work waiting for the core or the GIL.
 _SPIN_SECONDS = 0.0005
 _QUIET_SOCKET_SECONDS = 0.01
 _SHARED_CORE_SECONDS = 0.0003
@@ -414,7 +415,8 @@ class Transport:
 
         Until ``busy_until`` (a :func:`time.monotonic` time; within ``timeout``
         all the same) the thread polls the inbox, yielding its core to any other
-        runnable thread between polls, before it blocks for the rest: a core
+        runnable thread between polls (after a first spin without yielding, see
+        ``_SPIN_SECONDS``), before it blocks for the rest: a core
         that halts while it waits runs the next message's code several times
         slower (its caches went cold), and the system call that wakes a blocked
         thread costs more than a poll. When the core is shared with another
