@@ -205,12 +205,14 @@ class Agent(MessageDispatcher):
             )
             self.inbox.on_hand_off = self._transport.share_core
             self.batch_scheduling = BatchScheduling(  # libzmq's I/O threads
-                self._transport.io_thread_ids(), options.batch_scheduling
+                self._transport.io_thread_ids(), options.batch_scheduling,
+                own_spins=self._transport.spin_counts,
             )
             # the agent's I/O thread, which adds itself: guarded on its own, so that a
             # fallback of either leaves the other's policy alone
             self.io_thread_scheduling = BatchScheduling(
-                [], options.batch_scheduling, max_wait=MAX_AGENT_IO_WAIT
+                [], options.batch_scheduling, max_wait=MAX_AGENT_IO_WAIT,
+                own_spins=self._transport.spin_counts,
             )
             self.endpoint = self._transport.endpoint
             self.shared = SharedBuffers(self, options.shared_memory_threshold)

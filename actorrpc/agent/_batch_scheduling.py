@@ -34,7 +34,9 @@ threads' run-queue waits (``/proc/self/task/<tid>/schedstat``) are read, and
 when one thread's mean wait per wake-up since it was last judged exceeds the
 limit (:data:`MAX_BATCH_WAIT` for libzmq's, :data:`MAX_AGENT_IO_WAIT` for the
 agent's) while this process used less than :data:`SELF_BUSY` CPUs (so others
-took the core) the threads it watches go back to the default policy. They try ``SCHED_BATCH``
+took the core) and no busy poll of this process spun without losing its core
+meanwhile (waits behind those spins are the process's own: ``transport._zmq``
+``_SPIN_SECONDS``) the threads it watches go back to the default policy. They try ``SCHED_BATCH``
 again after a back-off that starts at :data:`MIN_BACKOFF` and doubles (up to
 :data:`MAX_BACKOFF`) while the trials keep failing.
 
@@ -103,7 +105,8 @@ UNAVAILABLE = "unavailable"  # asked for, but no thread was found or the system 
 _Waits = dict[int, tuple[int, int]]  # thread id -> (run-queue wait in ns, time slices)
 # where a thread's judged window began: its run-queue wait (ns) and slices, the wall
 # clock and the process's CPU time then
-_Baseline = tuple[int, int, float, float]
+# (run-queue wait ns, slices, when, process CPU seconds, this process's spins), at its start
+_Baseline = tuple[int, int, float, float, tuple[int, int]]
 
 
 def _read_waits(tids: Iterable[int]) -> _Waits:
@@ -161,6 +164,7 @@ class BatchScheduling:
         clock: Callable[[], float] = time.monotonic,
         cpu_clock: Callable[[], float] = time.process_time,
         max_wait: float = MAX_BATCH_WAIT,
+        own_spins: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         self.fallbacks = 0  # times batch was given up because the threads waited
         self.max_wait = max_wait  # the limit each watched thread is judged against
@@ -168,6 +172,8 @@ class BatchScheduling:
         self._set_policy = set_policy
         self._clock = clock
         self._cpu_clock = cpu_clock
+        # (busy polls that began with a spin, spins that lost their core) in this process
+        self._own_spins = own_spins
         self._tids: list[int] = []
         self._backoff = MIN_BACKOFF
         self._retry_at = 0.0
@@ -228,7 +234,8 @@ class BatchScheduling:
             self._start_window()
         if self._apply(tid, self.policy == BATCH):
             self._tids.append(tid)
-            self._baselines[tid] = (*reading, self._clock(), self._cpu_clock())
+            self._baselines[tid] = (*reading, self._clock(), self._cpu_clock(),
+                                    self._own_spins())
 
     def _switch(self, batch: bool) -> None:
         for tid in list(self._tids):
@@ -239,9 +246,9 @@ class BatchScheduling:
             self.policy = BATCH if batch else DEFAULT
 
     def _start_window(self) -> None:
-        now, cpu = self._clock(), self._cpu_clock()
+        now, cpu, spins = self._clock(), self._cpu_clock(), self._own_spins()
         self._baselines = {
-            tid: (wait_ns, slices, now, cpu)
+            tid: (wait_ns, slices, now, cpu, spins)
             for tid, (wait_ns, slices) in self._read_waits(self.tids).items()
         }
         self._next_check = now + CHECK_INTERVAL
@@ -262,24 +269,28 @@ class BatchScheduling:
                 self._switch(True)
                 self._start_window()
             return
-        cpu = self._cpu_clock()
+        cpu, spins = self._cpu_clock(), self._own_spins()
         judged = over = lost = False  # over: a thread waited too long (excused or not)
         for tid, (wait_ns, slices) in self._read_waits(self.tids).items():
             baseline = self._baselines.get(tid)
             if baseline is None:
-                self._baselines[tid] = (wait_ns, slices, now, cpu)
+                self._baselines[tid] = (wait_ns, slices, now, cpu, spins)
                 continue
-            waited_from, slices_from, began, cpu_began = baseline
+            waited_from, slices_from, began, cpu_began, spins_began = baseline
             wakeups = slices - slices_from
             if wakeups < MIN_WAKEUPS:
                 continue  # too quiet to judge: keep counting from the same start
-            self._baselines[tid] = (wait_ns, slices, now, cpu)
+            self._baselines[tid] = (wait_ns, slices, now, cpu, spins)
             judged = True
             if (wait_ns - waited_from) / wakeups / 1e9 <= self.max_wait:
                 continue
             over = True
-            # unless this process's own threads kept the core (the waits batched its work)
-            if cpu - cpu_began < SELF_BUSY * (now - began):
+            # unless this process's own threads kept the core: the waits batched its work,
+            # or were behind its busy polls' first spins (``transport._zmq``), none of which
+            # found its core taken by another thread meanwhile (a window with idle
+            # stretches reads as little CPU)
+            behind_own_spins = spins[0] > spins_began[0] and spins[1] == spins_began[1]
+            if cpu - cpu_began < SELF_BUSY * (now - began) and not behind_own_spins:
                 lost = True
         if lost:
             self._switch(False)

@@ -313,6 +313,7 @@ class Transport:
         self.busy_poll_contended = 0  # of those, polls ended by a long yield
         self._no_poll_until = 0.0  # after a long yield: no busy polls until then
         self._no_spin_until = 0.0  # after a spin lost the core: polls yield until then
+        self.spins = 0  # busy polls that began with a spin (statistics)
         self.spins_stopped = 0  # spins that lost the core (statistics)
         # when a message last went by socket, in or out (see _SPIN_SECONDS)
         self.socket_activity = SocketActivity()
@@ -537,6 +538,7 @@ class Transport:
             last - self.socket_activity.at >= _QUIET_SOCKET_SECONDS
         ):
             spin_until = last + _SPIN_SECONDS
+            self.spins += 1
         while not socket_has_message():
             if rings_ready is not None and rings_ready():
                 return True
@@ -558,6 +560,10 @@ class Transport:
                 self.busy_poll_contended += 1
                 return False
         return True
+
+    def spin_counts(self) -> tuple[int, int]:
+        """(Busy polls that began with a spin, spins that found their core taken.)"""
+        return self.spins, self.spins_stopped
 
     def share_core(self, now: float) -> None:
         """Another thread of this process got work (a request or reply handed to it):
