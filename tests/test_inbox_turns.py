@@ -160,12 +160,11 @@ def test_tensor_replies_and_callbacks_during_turns(cluster: list[str]) -> None:
 
 def test_io_thread_backs_off_only_after_serving_a_waiter() -> None:
     turns = InboxTurns()
-    told: list[float] = []
-    turns.on_hand_off = told.append  # (the agent's transport: its polls yield a while)
     now = time.monotonic()
     assert turns.io_pause(now) == 0.0  # nobody waited: the I/O thread receives
-    turns.hand_off()
-    assert len(told) == 1 and told[0] >= now
+    assert turns.spin_gate.closed_until < now
+    turns.hand_off()  # (another thread runs now: the transport's polls yield to it a while)
+    assert turns.spin_gate.closed_until >= now + turns.spin_gate.pause
     assert 0 < turns.io_pause(time.monotonic()) <= BACKOFF_SECONDS
     assert turns.io_pause(time.monotonic() + 2 * BACKOFF_SECONDS) == 0.0  # not back: take it
     now = turns._begin_turn(SimpleNamespace(_running=True))  # type: ignore[arg-type,assignment]

@@ -264,8 +264,8 @@ def test_a_finalizer_queueing_inside_a_change_loses_nothing_and_keeps_the_order(
 
     riders.add(2, MessageKind.SHM_RELEASE, ["first"])
     riders._due = _FinalizerInside(riders._due, "pop", another)  # inside take()
-    assert [entry[2] for entry in riders.take(2)] == [["first"]]
-    assert riders.take(2) == [(int(MessageKind.SHM_RELEASE), 0, ["segment"])]  # kept for later
+    taken = riders.take(2) + riders.take(2)  # (taken along, or kept for the next message)
+    assert [entry[2] for entry in taken] == [["first"], ["segment"]]
     assert riders._depth == 0 and not riders._nested
 
 

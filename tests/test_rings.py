@@ -515,6 +515,16 @@ def test_a_spin_that_lost_its_core_makes_polls_yield_for_a_while(
     assert receiver.spins_stopped == stopped + 1
 
 
+def test_the_io_threads_polls_in_a_flow_never_spin(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Polls that do not watch contention (the I/O thread's, in a flow of messages) yield
+    from the start: the threads the flow keeps busy are this process's own."""
+    link, receiver = _spinning(pair, monkeypatch)
+    _send_in_the_first_yield(monkeypatch, link, b"flow")
+    messages = receiver.receive(30.0, time.monotonic() + 30.0, False)
+    assert [bytes(m[2].buffer) for m in messages] == [b"flow"]  # type: ignore[attr-defined]
+    assert receiver.spins == 0
+
+
 def test_a_thread_handed_work_makes_polls_yield_for_a_while(
     pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -522,7 +532,7 @@ def test_a_thread_handed_work_makes_polls_yield_for_a_while(
 
     link, receiver = _spinning(pair, monkeypatch)
     monkeypatch.setattr(_zmq, "_SHARED_CORE_PAUSE_SECONDS", 60.0)
-    receiver.share_core(time.monotonic())  # (the agent's inbox, at a hand-off)
+    receiver.spin_gate.close_for_a_while(time.monotonic())  # (as the inbox at a hand-off)
     _send_in_the_first_yield(monkeypatch, link, b"yielded")
     assert _polled(receiver) == [b"yielded"]  # (a spin would last 30 s: nothing sends)
 

@@ -203,7 +203,7 @@ class Agent(MessageDispatcher):
                 name_threads=options.batch_scheduling,
                 rings=options.same_host_rings,
             )
-            self.inbox.on_hand_off = self._transport.share_core
+            self.inbox.spin_gate = self._transport.spin_gate
             self.batch_scheduling = BatchScheduling(  # libzmq's I/O threads
                 self._transport.io_thread_ids(), options.batch_scheduling,
                 own_spins=self._transport.spin_counts,

@@ -75,6 +75,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..transport import SpinGate
 from ._timed_work import run_timed_work, seconds_to_timed_work
 
 if TYPE_CHECKING:
@@ -134,9 +135,8 @@ class InboxTurns:
         # hand_off() calls (by the threads that hand off: a lost increment costs at most
         # one grown look period)
         self._hand_offs = 0
-        # told the time of each hand-off: another thread of this process runs now
-        # (``Transport.share_core``: its polls yield to it)
-        self.on_hand_off: Callable[[float], None] = lambda now: None
+        # the transport's (``Agent`` sets it), closed for a while at each hand-off
+        self.spin_gate = SpinGate()
         self._no_backoff_until = float("-inf")
         self.probing = False  # the I/O thread handles messages that waited during its back-off
         self._resume = threading.Event()
@@ -166,7 +166,8 @@ class InboxTurns:
         self._serving_last = True
         self._hand_offs += 1
         self._handed_off_at = now = time.monotonic()
-        self.on_hand_off(now)
+        gate = self.spin_gate  # that thread runs now: polls yield to it (a store, no call)
+        gate.closed_until = now + gate.pause
 
     def claim(self, request: tuple[Any, ...]) -> bool:
         """Keep ``request`` for the pool thread receiving in a serving turn, if it has none."""

@@ -192,7 +192,16 @@ class Riders:
         """Queue the reply to request ``message_id`` of worker ``rank`` (``body``: its
         pickled value, no buffers); this thread owes its flush (:meth:`settle_owed`)."""
         due = time.monotonic() + REPLY_DELAY
-        earlier = self._changing(self._queue_reply, rank, message_id, body, due)
+        with self._lock:
+            # (moving waiting notifications is a change a finalizer's add must not cut
+            # into; appending alone is safe, as in ``put_back``)
+            if rank in self.waiting:
+                self._changing(self._release_waiting, rank)
+            self.queued.setdefault(rank, []).append((int(MessageKind.RESPONSE), message_id, body))
+            earlier = due < self._due.get(rank, float("inf"))
+            if earlier:
+                self._due[rank] = due
+            self.replies_deferred += 1
         owed = getattr(self._owed, "ranks", None)
         if owed is None:
             owed = self._owed.ranks = set()
@@ -201,16 +210,6 @@ class Riders:
         agent.stats.bytes_out[rank] += len(body)
         if earlier:  # the I/O thread sends it by then if nothing else does
             agent.inbox.wake_io_by(due, agent.wake_inbox)
-
-    def _queue_reply(self, rank: int, message_id: int, body: bytes, due: float) -> bool:
-        if rank in self.waiting:
-            self._release_waiting(rank)
-        self.queued.setdefault(rank, []).append((int(MessageKind.RESPONSE), message_id, body))
-        earlier = due < self._due.get(rank, float("inf"))
-        if earlier:
-            self._due[rank] = due
-        self.replies_deferred += 1
-        return earlier
 
     def before_request(self, kind: int, first: Any) -> None:
         """This thread is about to run a request of ``kind`` whose payload starts with
@@ -246,11 +245,9 @@ class Riders:
         """Everything queued for ``rank``, to go on a message to it (cheap when nothing is)."""
         if rank not in self.queued:
             return []
-        return self._changing(self._take, rank)
-
-    def _take(self, rank: int) -> _Queued:
-        self._due.pop(rank, None)
-        return self.queued.pop(rank, [])
+        with self._lock:  # (two pops: a finalizer's add between them is taken along or stays)
+            self._due.pop(rank, None)
+            return self.queued.pop(rank, [])
 
     def put_back(self, rank: int, queued: _Queued) -> None:
         """The message that was to carry ``queued`` was not sent: they go first next time."""

@@ -1,13 +1,14 @@
 """Transport layer: ZeroMQ sockets, authentication, same-host shared memory."""
 
 from ._shared_memory import SharedMappings, SharedMemoryPool, shared_memory_available
-from ._zmq import SECURITY_MODES, PeerLink, Transport
+from ._zmq import SECURITY_MODES, PeerLink, SpinGate, Transport
 
 __all__ = [
     "SECURITY_MODES",
     "PeerLink",
     "SharedMappings",
     "SharedMemoryPool",
+    "SpinGate",
     "Transport",
     "shared_memory_available",
 ]

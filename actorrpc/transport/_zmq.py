@@ -38,7 +38,7 @@ from ._ring import RingWriter, full_fence, rings_supported
 from ._ring_inbox import RING_ACCEPT, RING_OFFER, RingInbox
 from ._security import configure_client, configure_server
 
-__all__ = ["SECURITY_MODES", "PeerLink", "SocketActivity", "Transport"]
+__all__ = ["SECURITY_MODES", "PeerLink", "SocketActivity", "SpinGate", "Transport"]
 
 SECURITY_MODES = ("plain", "curve", "none")
 _RECV_BATCH = 256
@@ -82,7 +82,7 @@ _LONG_YIELD_SECONDS = 0.0005
 # again after any socket message in or out within _QUIET_SOCKET_SECONDS (libzmq's
 # threads may have it in hand), and for _SHARED_CORE_PAUSE_SECONDS after a spin found
 # its core taken for _SHARED_CORE_SECONDS or more, or after a request or reply was
-# handed to another thread of this process (``share_core``): spinning would keep a
+# handed to another thread of this process (``SpinGate``): spinning would keep a
 # thread that has work waiting for the core or the GIL.
 _SPIN_SECONDS = 0.0005
 _QUIET_SOCKET_SECONDS = 0.01
@@ -112,6 +112,21 @@ class SocketActivity:
 
     def __init__(self) -> None:
         self.at = float("-inf")
+
+
+class SpinGate:
+    """Until when a transport's busy polls yield from their start (see ``_SPIN_SECONDS``):
+    a plain store from any thread closes it (the agent's inbox at each hand-off, without
+    a call on that path)."""
+
+    __slots__ = ("closed_until", "pause")
+
+    def __init__(self) -> None:
+        self.closed_until = 0.0
+        self.pause = _SHARED_CORE_PAUSE_SECONDS  # how long a hand-off closes it
+
+    def close_for_a_while(self, now: float) -> None:
+        self.closed_until = now + self.pause
 
 
 class PeerLink:
@@ -312,7 +327,7 @@ class Transport:
         self.busy_poll_misses = 0  # busy polls that gave up and blocked
         self.busy_poll_contended = 0  # of those, polls ended by a long yield
         self._no_poll_until = 0.0  # after a long yield: no busy polls until then
-        self._no_spin_until = 0.0  # after a spin lost the core: polls yield until then
+        self.spin_gate = SpinGate()  # closed after a spin lost its core, or a hand-off
         self.spins = 0  # busy polls that began with a spin (statistics)
         self.spins_stopped = 0  # spins that lost the core (statistics)
         # when a message last went by socket, in or out (see _SPIN_SECONDS)
@@ -534,9 +549,11 @@ class Transport:
         socket_has_message = self._socket_has_message
         last = _monotonic()
         spin_until = last  # (no spin: see _SPIN_SECONDS)
-        if rings_ready is not None and last >= self._no_spin_until and (
-            last - self.socket_activity.at >= _QUIET_SOCKET_SECONDS
-        ):
+        # (not the I/O thread's polls in a flow of messages: they yield to the threads
+        # of this process that the flow keeps busy)
+        if (watch_contention and rings_ready is not None
+                and last >= self.spin_gate.closed_until
+                and last - self.socket_activity.at >= _QUIET_SOCKET_SECONDS):
             spin_until = last + _SPIN_SECONDS
             self.spins += 1
         while not socket_has_message():
@@ -548,7 +565,7 @@ class Transport:
             if now < spin_until:
                 if now - last >= _SHARED_CORE_SECONDS:  # the core was given to another thread
                     spin_until = now
-                    self._no_spin_until = now + _SHARED_CORE_PAUSE_SECONDS
+                    self.spin_gate.close_for_a_while(now)
                     self.spins_stopped += 1
                 last = now
                 continue
@@ -564,13 +581,6 @@ class Transport:
     def spin_counts(self) -> tuple[int, int]:
         """(Busy polls that began with a spin, spins that found their core taken.)"""
         return self.spins, self.spins_stopped
-
-    def share_core(self, now: float) -> None:
-        """Another thread of this process got work (a request or reply handed to it):
-        busy polls yield from their start for a while (see ``_SPIN_SECONDS``)."""
-        until = now + _SHARED_CORE_PAUSE_SECONDS
-        if until > self._no_spin_until:
-            self._no_spin_until = until
 
     def _socket_has_message(self) -> bool:
         """Whether the inbox socket holds a message (``ZMQ_EVENTS``, ~3 µs: a system call).
