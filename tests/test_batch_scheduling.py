@@ -38,7 +38,7 @@ class _Threads:
         self.now = 100.0
         self.cpu = 0.0
         self.cpu_share = 0.2  # CPUs this process uses: little, the rest is someone else's
-        self.spins = (0, 0)  # (busy polls that began with a spin, spins that lost the core)
+        self.spins = (0.0, 0)  # (seconds busy polls spun, spins and polls that lost the core)
 
     def wake(self, times: int, wait_us: float, tids: Iterable[int] | None = None) -> None:
         for tid in tids or list(self.waits):
@@ -124,20 +124,23 @@ def test_waits_behind_this_processs_own_busy_threads_keep_batch() -> None:
     assert (scheduling.policy, scheduling.fallbacks) == ("default", 1)
 
 
-def test_waits_behind_this_processs_own_spins_keep_batch_unless_a_spin_lost_the_core() -> None:
+def test_waits_behind_this_processs_own_spins_keep_batch_as_long_as_they_spun() -> None:
     threads = _Threads()
     scheduling = threads.scheduling()
-    for spun in range(1, 6):  # little CPU over the window (idle stretches), but the waits
-        threads.spins = (spun * 100, 0)  # were behind this process's own polls' spins
+    spun = 0.0
+    for _ in range(5):  # little CPU over the window (idle stretches), but the waits (90 ms)
+        spun += 0.09  # were no longer than this process's own polls spun
+        threads.spins = (spun, 0)
         threads.wake(100, wait_us=900)
         threads.check(scheduling)
     assert (scheduling.policy, scheduling.fallbacks) == ("batch", 0)
-    threads.spins = (700, 1)  # a spin found its core taken: someone else's thread
+    threads.spins = (spun + 0.01, 0)  # 10 ms of spins cannot explain 90 ms of waits
     threads.wake(100, wait_us=900)
     threads.check(scheduling)
     assert (scheduling.policy, scheduling.fallbacks) == ("default", 1)
     assert threads.seconds_until_batch_again(scheduling) > 0
-    threads.wake(100, wait_us=900)  # no spin at all in the window: as before
+    threads.spins = (spun + 1.0, 1)  # a spin found its core taken: someone else's thread
+    threads.wake(100, wait_us=900)
     threads.check(scheduling)
     assert (scheduling.policy, scheduling.fallbacks) == ("default", 2)
 

@@ -86,6 +86,13 @@ def test_turns_poll_busily_on_both_sides_before_they_block(cluster: list[str]) -
     assert wait_until(both_polled, 20), (polls() - mine, polls("worker1") - theirs)
 
 
+def test_a_workers_hand_offs_close_its_transports_spin_gate(cluster: list[str]) -> None:
+    agent = current_agent()
+    assert agent.inbox.spin_gate is agent._transport.spin_gate  # (wired by the agent)
+    stats = rpc.get_worker_stats()
+    assert stats["busy_poll_spins"] >= 0 and stats["busy_poll_spins_stopped"] >= 0
+
+
 def test_a_long_request_in_a_serving_thread_holds_nothing_back(cluster: list[str]) -> None:
     for i in range(5):  # worker1's pool thread is in its serving turns
         rpc.rpc_sync("worker1", _plus_one, args=(i,))

@@ -245,7 +245,7 @@ class _FinalizerInside(dict):  # type: ignore[type-arg]
 def test_a_finalizer_queueing_inside_a_change_loses_nothing_and_keeps_the_order(
     monkeypatch,
 ) -> None:
-    _, riders, clock = _batching(monkeypatch)
+    agent, riders, clock = _batching(monkeypatch)
     riders.add(1, MessageKind.RREF_USER_DELETE, ("a",))
     clock[0] += 0.01  # the next batched one makes them all ride
 
@@ -263,10 +263,16 @@ def test_a_finalizer_queueing_inside_a_change_loses_nothing_and_keeps_the_order(
         riders.add(2, MessageKind.SHM_RELEASE, ["segment"])
 
     riders.add(2, MessageKind.SHM_RELEASE, ["first"])
-    riders._due = _FinalizerInside(riders._due, "pop", another)  # inside take()
+    riders.queued = _FinalizerInside(riders.queued, "pop", another)  # inside take()
     taken = riders.take(2) + riders.take(2)  # (taken along, or kept for the next message)
     assert [entry[2] for entry in taken] == [["first"], ["segment"]]
     assert riders._depth == 0 and not riders._nested
+    # a due time the finalizer left for worker 2 (its notification went along) is dropped
+    # rather than sending an empty carrier or making every timed look due at once
+    riders.add(1, MessageKind.SHM_RELEASE, ["later"])
+    assert riders.seconds_to_due(clock[0]) == pytest.approx(RIDER_DELAY)
+    riders.flush(now=clock[0] + RIDER_DELAY / 2)
+    assert 2 not in riders._due and agent.carriers == []
 
 
 def test_a_pool_thread_runs_before_wait_while_busy_before_it_blocks_and_exits() -> None:

@@ -9,6 +9,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -501,7 +502,7 @@ def test_a_spin_that_lost_its_core_makes_polls_yield_for_a_while(
     from actorrpc.transport import _zmq
 
     link, receiver = _spinning(pair, monkeypatch)
-    monkeypatch.setattr(_zmq, "_SHARED_CORE_PAUSE_SECONDS", 60.0)
+    monkeypatch.setattr(receiver.spin_gate, "pause", 60.0)
     yields = _send_in_the_first_yield(monkeypatch, link, b"after the core was lost")
     # each reading of the clock 1 ms after the one before: as if another thread ran
     monkeypatch.setattr(_zmq, "_monotonic", _Clock(0, lambda: None, step=0.001))
@@ -513,6 +514,43 @@ def test_a_spin_that_lost_its_core_makes_polls_yield_for_a_while(
     _send_in_the_first_yield(monkeypatch, link, b"next")
     assert _polled(receiver) == [b"next"]
     assert receiver.spins_stopped == stopped + 1
+
+
+def test_a_gap_that_outlasts_the_spin_still_counts_as_a_lost_core(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorrpc.transport import _zmq
+
+    link, receiver = _spinning(pair, monkeypatch)
+    monkeypatch.setattr(_zmq, "_SPIN_SECONDS", 0.0005)  # (as shipped)
+    monkeypatch.setattr(receiver.spin_gate, "pause", 60.0)
+    yields = _send_in_the_first_yield(monkeypatch, link, b"after a long gap")
+    # one reading 4 ms after the one before (a time slice of another thread), past the spin
+    monkeypatch.setattr(_zmq, "_monotonic", _Clock(3, lambda: None, step=0.0))
+    clock: Any = _zmq._monotonic
+    clock._hook = lambda: setattr(clock, "_offset", clock._offset + 0.004)
+    stopped, spun = receiver.spins_stopped, receiver.spun_seconds
+    assert _polled(receiver) == [b"after a long gap"]
+    assert receiver.spins_stopped == stopped + 1 and yields
+    assert receiver.spun_seconds - spun < 0.004  # (the gap is not counted as spinning)
+
+
+def test_polls_do_not_spin_without_rings_and_wakes_are_no_socket_traffic(pair) -> None:
+    sender, receiver = pair
+    quiet = Transport(b"2:quiet", secret="s", security="plain", rings=False)
+    try:
+        link = sender.link(b"2:quiet", quiet.endpoint)
+        link.send([b"AR-header", b"by socket"])
+        assert wait_until(lambda: quiet.receive(0.01) != [], timeout=20)
+        assert quiet.receive(0.01, busy_until=time.monotonic() + 0.005) == []
+        assert quiet.spins == 0  # no ring: nothing arrives but by socket
+    finally:
+        quiet.close()
+    _switched(sender, receiver)
+    _quiet(receiver)
+    receiver.wake()
+    assert wait_until(lambda: receiver.receive(0.01) == [], timeout=20)
+    assert receiver.socket_activity.at == float("-inf")  # a wake is not a message
 
 
 def test_the_io_threads_polls_in_a_flow_never_spin(pair, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -528,10 +566,9 @@ def test_the_io_threads_polls_in_a_flow_never_spin(pair, monkeypatch: pytest.Mon
 def test_a_thread_handed_work_makes_polls_yield_for_a_while(
     pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from actorrpc.transport import _zmq
 
     link, receiver = _spinning(pair, monkeypatch)
-    monkeypatch.setattr(_zmq, "_SHARED_CORE_PAUSE_SECONDS", 60.0)
+    monkeypatch.setattr(receiver.spin_gate, "pause", 60.0)
     receiver.spin_gate.close_for_a_while(time.monotonic())  # (as the inbox at a hand-off)
     _send_in_the_first_yield(monkeypatch, link, b"yielded")
     assert _polled(receiver) == [b"yielded"]  # (a spin would last 30 s: nothing sends)

@@ -34,9 +34,10 @@ threads' run-queue waits (``/proc/self/task/<tid>/schedstat``) are read, and
 when one thread's mean wait per wake-up since it was last judged exceeds the
 limit (:data:`MAX_BATCH_WAIT` for libzmq's, :data:`MAX_AGENT_IO_WAIT` for the
 agent's) while this process used less than :data:`SELF_BUSY` CPUs (so others
-took the core) and no busy poll of this process spun without losing its core
-meanwhile (waits behind those spins are the process's own: ``transport._zmq``
-``_SPIN_SECONDS``) the threads it watches go back to the default policy. They try ``SCHED_BATCH``
+took the core), and its waits less the time this process's busy polls spun
+(``transport._zmq`` ``_SPIN_SECONDS``: waits behind those are its own; none are
+excused once a spin or poll found its core taken) still exceed the limit, the
+threads it watches go back to the default policy. They try ``SCHED_BATCH``
 again after a back-off that starts at :data:`MIN_BACKOFF` and doubles (up to
 :data:`MAX_BACKOFF`) while the trials keep failing.
 
@@ -104,9 +105,8 @@ UNAVAILABLE = "unavailable"  # asked for, but no thread was found or the system 
 
 _Waits = dict[int, tuple[int, int]]  # thread id -> (run-queue wait in ns, time slices)
 # where a thread's judged window began: its run-queue wait (ns) and slices, the wall
-# clock and the process's CPU time then
-# (run-queue wait ns, slices, when, process CPU seconds, this process's spins), at its start
-_Baseline = tuple[int, int, float, float, tuple[int, int]]
+# clock, the process's CPU time and its busy polls' spin_counts() then
+_Baseline = tuple[int, int, float, float, tuple[float, int]]
 
 
 def _read_waits(tids: Iterable[int]) -> _Waits:
@@ -164,7 +164,7 @@ class BatchScheduling:
         clock: Callable[[], float] = time.monotonic,
         cpu_clock: Callable[[], float] = time.process_time,
         max_wait: float = MAX_BATCH_WAIT,
-        own_spins: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        own_spins: Callable[[], tuple[float, int]] = lambda: (0.0, 0),
     ) -> None:
         self.fallbacks = 0  # times batch was given up because the threads waited
         self.max_wait = max_wait  # the limit each watched thread is judged against
@@ -172,7 +172,7 @@ class BatchScheduling:
         self._set_policy = set_policy
         self._clock = clock
         self._cpu_clock = cpu_clock
-        # (busy polls that began with a spin, spins that lost their core) in this process
+        # (seconds this process's busy polls spun, spins and polls that lost their core)
         self._own_spins = own_spins
         self._tids: list[int] = []
         self._backoff = MIN_BACKOFF
@@ -282,15 +282,18 @@ class BatchScheduling:
                 continue  # too quiet to judge: keep counting from the same start
             self._baselines[tid] = (wait_ns, slices, now, cpu, spins)
             judged = True
-            if (wait_ns - waited_from) / wakeups / 1e9 <= self.max_wait:
+            waited = (wait_ns - waited_from) / 1e9
+            if waited / wakeups <= self.max_wait:
                 continue
             over = True
             # unless this process's own threads kept the core: the waits batched its work,
-            # or were behind its busy polls' first spins (``transport._zmq``), none of which
-            # found its core taken by another thread meanwhile (a window with idle
-            # stretches reads as little CPU)
-            behind_own_spins = spins[0] > spins_began[0] and spins[1] == spins_began[1]
-            if cpu - cpu_began < SELF_BUSY * (now - began) and not behind_own_spins:
+            # or were behind its busy polls' spins (``transport._zmq``; at most as long as
+            # they spun, and none once a spin or poll found its core taken meanwhile)
+            unexplained = waited if spins[1] != spins_began[1] else waited - (
+                spins[0] - spins_began[0])
+            if cpu - cpu_began < SELF_BUSY * (now - began) and (
+                unexplained / wakeups > self.max_wait
+            ):
                 lost = True
         if lost:
             self._switch(False)

@@ -53,8 +53,10 @@ Invariants:
   work, and a thread goes back to the queue before taking another turn: queued
   work never waits behind a stream of requests served in turns.
 * A turn (a waiter's or a serving one) polls the inbox for ``options.busy_poll``
-  seconds from its start, yielding the core between polls, before its receives
-  block (``Transport.receive``'s ``busy_until``); the I/O thread polls only in a
+  seconds from its start, yielding the core between polls (after a first spin
+  without yields while only rings carry messages: ``transport._zmq``
+  ``_SPIN_SECONDS``; a hand-off closes the transport's ``SpinGate`` for a while),
+  before its receives block (``Transport.receive``'s ``busy_until``); the I/O thread polls only in a
   flow of messages, for :data:`IO_FLOW_POLL_SECONDS` after a receive that returned
   some, so an idle worker uses no CPU.
 * A turn ends when the future is done or the agent stops; a future completed by

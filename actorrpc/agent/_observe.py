@@ -176,8 +176,8 @@ def worker_snapshot(agent: Agent) -> dict[str, Any]:
         "busy_poll_hits": agent._transport.busy_poll_hits,
         "busy_poll_misses": agent._transport.busy_poll_misses,
         "busy_poll_contended": agent._transport.busy_poll_contended,  # misses: core shared
-        # polls that began with a spin (without yielding), and spins that found their core
-        # given to another thread
+        # polls allowed to begin with a spin (without yielding; immediate hits too), and
+        # spins that found their core given to another thread
         "busy_poll_spins": agent._transport.spins,
         "busy_poll_spins_stopped": agent._transport.spins_stopped,
         "io_flow_polls": agent.inbox.io_flow_polls,  # I/O thread receives that polled first

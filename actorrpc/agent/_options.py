@@ -92,7 +92,9 @@ class ZmqRpcBackendOptions:
             only cycles among them wait until ``shutdown``.
         busy_poll: seconds a thread waiting for its reply (or a pool thread
             waiting for the next request) polls the inbox, yielding its core to
-            any other runnable thread between polls, before it blocks; ``0``
+            any other runnable thread between polls (after a first spin of up to
+            0.5 ms without yields while only same-host rings carry this worker's
+            messages and no other thread of it was handed work), before it blocks; ``0``
             always blocks. On virtual machines a core that halts while its
             thread waits runs the next message's code several times slower
             (cold caches): polling through a short round trip keeps it warm.

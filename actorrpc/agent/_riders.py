@@ -20,10 +20,11 @@ to build, send and take apart; 85 → 73 µs per iteration).
 
 Invariants:
 
-* Every change of the tables holds a re-entrant lock and counts as a change in
-  progress (:meth:`Riders._changing`); a notification queued on that thread
-  meanwhile (by a finalizer the collector ran inside it) is applied after the
-  outermost change: finalizers (which may run on
+* Every change of the tables holds a re-entrant lock, and those that move
+  entries between lists count as a change in progress (:meth:`Riders._changing`):
+  a notification queued on that thread meanwhile (by a finalizer the collector ran
+  inside it) is applied after the outermost change (appends and pops alone need
+  not wait: an add between them is taken along or stays queued): finalizers (which may run on
   any thread, even inside garbage collection on a thread that holds the lock)
   and ``__del__`` may queue.
 * A queued notification is sent at most once: taken out of the queue for a
@@ -245,7 +246,8 @@ class Riders:
         """Everything queued for ``rank``, to go on a message to it (cheap when nothing is)."""
         if rank not in self.queued:
             return []
-        with self._lock:  # (two pops: a finalizer's add between them is taken along or stays)
+        with self._lock:  # (two pops: a finalizer's add between them is taken along or
+            # stays; a due time left behind is dropped by the next look at due times)
             self._due.pop(rank, None)
             return self.queued.pop(rank, [])
 
@@ -290,8 +292,16 @@ class Riders:
         return self._changing(self._next_due, now) - now
 
     def _next_due(self, now: float) -> float:
+        self._forget_stale_dues()
         dues = [*self._due.values(), *(s + RIDER_DELAY for s in self._waiting_since.values())]
         return min(dues, default=now)
+
+    def _forget_stale_dues(self) -> None:
+        """Drop the due times of ranks with nothing queued: a finalizer's add run between
+        :meth:`take`'s two pops leaves one (its notification went with that message)."""
+        queued = self.queued
+        for rank in [r for r in self._due if r not in queued]:
+            del self._due[rank]
 
     def flush(self, everything: bool = False, now: float | None = None) -> None:
         """Send what is due by ``now`` (default: the monotonic clock), or ``everything``,
@@ -312,6 +322,7 @@ class Riders:
         for rank, since in list(self._waiting_since.items()):
             if everything or since + RIDER_DELAY <= now:
                 self._release_waiting(rank)
+        self._forget_stale_dues()
         return [r for r, due in list(self._due.items()) if everything or due <= now]
 
     def _send_alone(self, rank: int) -> None:

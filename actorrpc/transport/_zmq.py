@@ -1,4 +1,5 @@
-"""ZeroMQ sockets: the only module of actorrpc that touches ZeroMQ.
+"""ZeroMQ sockets: with ``_security`` (their authentication), the only modules of actorrpc
+that touch ZeroMQ.
 
 Invariants:
 
@@ -37,8 +38,9 @@ from ..errors import ActorRpcError, InvalidArgumentError, PeerUnreachableError, 
 from ._ring import RingWriter, full_fence, rings_supported
 from ._ring_inbox import RING_ACCEPT, RING_OFFER, RingInbox
 from ._security import configure_client, configure_server
+from ._spin import SocketActivity, SpinGate
 
-__all__ = ["SECURITY_MODES", "PeerLink", "SocketActivity", "SpinGate", "Transport"]
+__all__ = ["SECURITY_MODES", "PeerLink", "Transport"]
 
 SECURITY_MODES = ("plain", "curve", "none")
 _RECV_BATCH = 256
@@ -80,14 +82,17 @@ _LONG_YIELD_SECONDS = 0.0005
 # work, and libzmq's), and each such run leaves the poller to go on with cold caches,
 # while none of them is needed to bring a ring's message. Polls yield from the start
 # again after any socket message in or out within _QUIET_SOCKET_SECONDS (libzmq's
-# threads may have it in hand), and for _SHARED_CORE_PAUSE_SECONDS after a spin found
+# threads may have it in hand), and for a while (``SpinGate``) after a spin found
 # its core taken for _SHARED_CORE_SECONDS or more, or after a request or reply was
 # handed to another thread of this process (``SpinGate``): spinning would keep a
-# thread that has work waiting for the core or the GIL.
+# thread that has work waiting for the core or the GIL. Polls that keep finding their
+# messages within their spins never yield: a SCHED_BATCH thread needing their core
+# then runs when the scheduler ends the poller's time slice (a few ms), so the first
+# socket message after a quiet stretch (a spill, a peer without a ring) may wait that
+# long; once received it stamps SocketActivity, and polls yield again.
 _SPIN_SECONDS = 0.0005
 _QUIET_SOCKET_SECONDS = 0.01
 _SHARED_CORE_SECONDS = 0.0003
-_SHARED_CORE_PAUSE_SECONDS = 0.02
 _MIN_CONTENDED_PAUSE_SECONDS = 0.02
 _MAX_CONTENDED_PAUSE_SECONDS = 1.0
 
@@ -102,31 +107,6 @@ def _thread_name(tid: int) -> str:
             return handle.read().strip()
     except OSError:
         return ""  # the thread ended
-
-
-class SocketActivity:
-    """When a message last went by socket, in or out, in one transport (a plain store
-    from any thread: a hint for its busy polls)."""
-
-    __slots__ = ("at",)
-
-    def __init__(self) -> None:
-        self.at = float("-inf")
-
-
-class SpinGate:
-    """Until when a transport's busy polls yield from their start (see ``_SPIN_SECONDS``):
-    a plain store from any thread closes it (the agent's inbox at each hand-off, without
-    a call on that path)."""
-
-    __slots__ = ("closed_until", "pause")
-
-    def __init__(self) -> None:
-        self.closed_until = 0.0
-        self.pause = _SHARED_CORE_PAUSE_SECONDS  # how long a hand-off closes it
-
-    def close_for_a_while(self, now: float) -> None:
-        self.closed_until = now + self.pause
 
 
 class PeerLink:
@@ -181,6 +161,7 @@ class PeerLink:
                 if ring is not None:
                     ring.take_back_spill()
                 raise PeerUnreachableError(f"sending to {self.endpoint} failed: {exc}") from exc
+            self._activity.at = _monotonic()  # (again: a send may block, or go on in libzmq)
             if ring is None:
                 self._sent_since_offer += 1
 
@@ -328,7 +309,8 @@ class Transport:
         self.busy_poll_contended = 0  # of those, polls ended by a long yield
         self._no_poll_until = 0.0  # after a long yield: no busy polls until then
         self.spin_gate = SpinGate()  # closed after a spin lost its core, or a hand-off
-        self.spins = 0  # busy polls that began with a spin (statistics)
+        self.spins = 0  # busy polls allowed to begin with a spin (statistics)
+        self.spun_seconds = 0.0  # how long they spun in all
         self.spins_stopped = 0  # spins that lost the core (statistics)
         # when a message last went by socket, in or out (see _SPIN_SECONDS)
         self.socket_activity = SocketActivity()
@@ -543,44 +525,54 @@ class Transport:
         return messages
 
     def _poll_busily(self, until: float, watch_contention: bool = True) -> bool:
-        """Poll the inbox and rings until ``until``, yielding between polls; whether a
-        message waits."""
+        """Poll the inbox and rings until ``until``, yielding between polls (after a first
+        spin, see ``_SPIN_SECONDS``); whether a message waits."""
         rings_ready = self._ring_inbox.any_ready if self._ring_inbox.snapshot else None
         socket_has_message = self._socket_has_message
-        last = _monotonic()
-        spin_until = last  # (no spin: see _SPIN_SECONDS)
+        last = started = _monotonic()
         # (not the I/O thread's polls in a flow of messages: they yield to the threads
         # of this process that the flow keeps busy)
-        if (watch_contention and rings_ready is not None
-                and last >= self.spin_gate.closed_until
-                and last - self.socket_activity.at >= _QUIET_SOCKET_SECONDS):
-            spin_until = last + _SPIN_SECONDS
+        spinning = (watch_contention and rings_ready is not None
+                    and started >= self.spin_gate.closed_until
+                    and started - self.socket_activity.at >= _QUIET_SOCKET_SECONDS)
+        spin_until = started + _SPIN_SECONDS
+        if spinning:
             self.spins += 1
-        while not socket_has_message():
-            if rings_ready is not None and rings_ready():
-                return True
-            now = _monotonic()
-            if now >= until:
-                return False
-            if now < spin_until:
-                if now - last >= _SHARED_CORE_SECONDS:  # the core was given to another thread
-                    spin_until = now
-                    self.spin_gate.close_for_a_while(now)
-                    self.spins_stopped += 1
-                last = now
-                continue
-            _sched_yield()
-            if watch_contention and _monotonic() - now > _LONG_YIELD_SECONDS:
-                pause = self._contended_pause
-                self._no_poll_until = now + pause
-                self._contended_pause = min(2 * pause, _MAX_CONTENDED_PAUSE_SECONDS)
-                self.busy_poll_contended += 1
-                return False
-        return True
+        try:
+            while not socket_has_message():
+                if rings_ready is not None and rings_ready():
+                    return True
+                now = _monotonic()
+                if spinning:
+                    # (checked on the round after the spin's end too: a gap that outlasts it)
+                    if now - last >= _SHARED_CORE_SECONDS:  # the core or the GIL was taken
+                        spinning = False
+                        self.spun_seconds += last - started
+                        self.spin_gate.close_for_a_while(now)
+                        self.spins_stopped += 1
+                    elif now < spin_until and now < until:
+                        last = now
+                        continue
+                    else:
+                        spinning = False
+                        self.spun_seconds += now - started
+                if now >= until:
+                    return False
+                _sched_yield()
+                if watch_contention and _monotonic() - now > _LONG_YIELD_SECONDS:
+                    pause = self._contended_pause
+                    self._no_poll_until = now + pause
+                    self._contended_pause = min(2 * pause, _MAX_CONTENDED_PAUSE_SECONDS)
+                    self.busy_poll_contended += 1
+                    return False
+            return True
+        finally:
+            if spinning:  # (a message came while it spun)
+                self.spun_seconds += _monotonic() - started
 
-    def spin_counts(self) -> tuple[int, int]:
-        """(Busy polls that began with a spin, spins that found their core taken.)"""
-        return self.spins, self.spins_stopped
+    def spin_counts(self) -> tuple[float, int]:
+        """(Seconds busy polls spun, spins and polls that found their core taken)."""
+        return self.spun_seconds, self.spins_stopped + self.busy_poll_contended
 
     def _socket_has_message(self) -> bool:
         """Whether the inbox socket holds a message (``ZMQ_EVENTS``, ~3 µs: a system call).
