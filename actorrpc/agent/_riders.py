@@ -289,6 +289,9 @@ class Riders:
         (None: nothing)."""
         if not self.queued and not self.waiting:
             return None
+        if not self.waiting and len(self._due) <= len(self.queued):  # (the I/O loop's case)
+            with self._lock:  # (no allocation while iterating: no finalizer cuts in)
+                return min(self._due.values(), default=now) - now
         return self._changing(self._next_due, now) - now
 
     def _next_due(self, now: float) -> float:
@@ -300,8 +303,9 @@ class Riders:
         """Drop the due times of ranks with nothing queued: a finalizer's add run between
         :meth:`take`'s two pops leaves one (its notification went with that message)."""
         queued = self.queued
-        for rank in [r for r in self._due if r not in queued]:
-            del self._due[rank]
+        if len(self._due) > len(queued) or any(r not in queued for r in self._due):
+            for rank in [r for r in self._due if r not in queued]:
+                del self._due[rank]
 
     def flush(self, everything: bool = False, now: float | None = None) -> None:
         """Send what is due by ``now`` (default: the monotonic clock), or ``everything``,
