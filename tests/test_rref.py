@@ -689,8 +689,11 @@ def test_orphan_fetch_is_released_on_the_owner() -> None:
 
     agent = current_agent()
     never = GloballyUniqueId(2, 10**9)
+    # the owner bounds its wait a little later than the caller's deadline (to_here() gives
+    # both the same timeout: which ends first is then a race of ~0.1 ms, and the owner's
+    # failure reaches this raw request as a value)
     fetch = agent.send_request(agent.resolve("worker1"), MessageKind.RREF_FETCH,
-                               (never, {}, 0.5), 0.5, description="orphan fetch")
+                               (never, {}, 0.7), 0.5, description="orphan fetch")
     assert isinstance(error_of(fetch), rpc.RpcTimeoutError)
     wait_for(lambda: rpc.rpc_sync("worker1", _requests_in_flight) == 1,
              "worker1 to drop the fetch (only this query in flight)")
