@@ -304,14 +304,17 @@ class MessageDispatcher(ReplySettling):
 
     def _handle_call(self, request: IncomingRequest) -> Any:
         func, args, kwargs, meta = request.payload[:4]
-        if not meta and not self.serving_without_meta:  # no hook has anything to do
+        return self.serve_call(request.sender, meta, func, args, kwargs)
+
+    def serve_call(self, sender: WorkerInfo, meta: dict[str, Any], func: Callable[..., Any],
+                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``func(*args, **kwargs)`` as a served call (:meth:`serve`, with the hooks' view of
+        the arguments), or directly when no hook has anything to do (no CallRecord, no
+        closure: most calls)."""
+        if not meta and not self.serving_without_meta:
             return run_user_function(func, args, kwargs)
         return self.serve(
-            request.sender,
-            meta,
-            args,
-            kwargs,
-            lambda call: run_user_function(func, call.args, call.kwargs),
+            sender, meta, args, kwargs, lambda call: run_user_function(func, call.args, call.kwargs)
         )
 
     def requests_being_served(self) -> list[str]:

@@ -19,7 +19,6 @@ from ..agent import (
     current_agent,
     encode_reply,
     register_agent_plugin,
-    run_user_function,
     undo_inherited_batch,
 )
 from ..agent._remote_exception import pack_exception
@@ -232,11 +231,7 @@ def _run_creation(
     reference a frame that holds the state.
     """
     try:
-        if not meta and not agent.serving_without_meta:  # no hook has anything to do
-            value = run_user_function(func, args, kwargs)
-        else:
-            value = agent.serve(sender, meta, args, kwargs,
-                                lambda call: run_user_function(func, call.args, call.kwargs))
+        value = agent.serve_call(sender, meta, func, args, kwargs)
     except BaseException as exc:  # noqa: BLE001 - stored on the owner
         return None, exc
     return value, None
