@@ -56,9 +56,9 @@ Invariants:
   seconds from its start, yielding the core between polls (after a first spin
   without yields while only rings carry messages: ``transport._zmq``
   ``_SPIN_SECONDS``; a hand-off closes the transport's ``SpinGate`` for a while),
-  before its receives block (``Transport.receive``'s ``busy_until``); the I/O thread polls only in a
-  flow of messages, for :data:`IO_FLOW_POLL_SECONDS` after a receive that returned
-  some, so an idle worker uses no CPU.
+  before its receives block (``Transport.receive``'s ``busy_until``); the I/O
+  thread polls only in a flow of messages, for :data:`IO_FLOW_POLL_SECONDS` after a
+  receive that returned some, so an idle worker uses no CPU.
 * A turn ends when the future is done or the agent stops; a future completed by
   another thread (a timeout, a dead peer, shutdown) wakes the inbox so the turn
   ends promptly. While the main thread has a turn, SIGINT is deferred to the end

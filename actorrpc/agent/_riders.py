@@ -24,9 +24,9 @@ Invariants:
   entries between lists count as a change in progress (:meth:`Riders._changing`):
   a notification queued on that thread meanwhile (by a finalizer the collector ran
   inside it) is applied after the outermost change (appends and pops alone need
-  not wait: an add between them is taken along or stays queued): finalizers (which may run on
-  any thread, even inside garbage collection on a thread that holds the lock)
-  and ``__del__`` may queue.
+  not wait: an add between them is taken along or stays queued). So finalizers
+  (which may run on any thread, even inside garbage collection on a thread that
+  holds the lock) and ``__del__`` may queue.
 * A queued notification is sent at most once: taken out of the queue for a
   message, and put back in front if that message could not be sent. Those
   queued for a worker that left, is dead, or cannot be sent a message of their
