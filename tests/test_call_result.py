@@ -139,7 +139,9 @@ def test_rpc_sync_from_a_then_callback_refuses_to_deadlock(cluster: list[str]) -
         except ActorRpcError as exc:
             outcome.append(exc)
 
-    rpc.rpc_async("worker1", _sleep_then, args=(0, 0.0)).then(nested).wait()
+    # (the reply comes after the callback is attached: one that came first would run it
+    # at once, on this thread, where a nested rpc_sync is fine)
+    rpc.rpc_async("worker1", _sleep_then, args=(0, 0.2)).then(nested).wait()
     assert outcome and "would deadlock" in str(outcome[0])
 
 
