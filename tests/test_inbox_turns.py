@@ -88,9 +88,11 @@ def test_turns_poll_busily_on_both_sides_before_they_block(cluster: list[str]) -
 
 def test_a_workers_hand_offs_close_its_transports_spin_gate(cluster: list[str]) -> None:
     agent = current_agent()
-    assert agent.inbox.spin_gate is agent._transport.spin_gate  # (wired by the agent)
-    stats = rpc.get_worker_stats()
-    assert stats["busy_poll_spins"] >= 0 and stats["busy_poll_spins_stopped"] >= 0
+    gate = agent._transport.spin_gate
+    before = time.monotonic()
+    agent.inbox.hand_off()  # (as when a request or reply is given to another thread)
+    assert gate.closed_until >= before + gate.pause  # the transport's polls yield a while
+    assert "busy_poll_spins" in rpc.get_worker_stats()
 
 
 def test_a_long_request_in_a_serving_thread_holds_nothing_back(cluster: list[str]) -> None:
