@@ -372,20 +372,20 @@ def test_a_big_payload_does_not_leave_its_memo_to_later_messages():
     """A thread's reused pickler clears its memo table after every message, at a cost in
     proportion to the largest table it ever had: after a big (or failed) payload the
     thread gets a fresh pickler; after small ones it keeps the one it has."""
-    from actorrpc.serialization._pickling import REUSED_PICKLER_LIMIT, _thread_pickler
+    from actorrpc.serialization._pickling import REUSED_PICKLER_LIMIT, _per_thread
 
     dumps(None)
-    kept = _thread_pickler.pickler
+    kept = _per_thread.state.pickler
     small, _ = dumps({"func": "noop", "args": (1, 2.0, "three"), "kwargs": {}})
-    assert len(small) <= REUSED_PICKLER_LIMIT and _thread_pickler.pickler is kept
+    assert len(small) <= REUSED_PICKLER_LIMIT and _per_thread.state.pickler is kept
     big, _ = dumps([(float(i), "x", i) for i in range(20_000)])  # ~20,000 memoized tuples
-    assert len(big) > REUSED_PICKLER_LIMIT and _thread_pickler.pickler is not kept
-    renewed = _thread_pickler.pickler
+    assert len(big) > REUSED_PICKLER_LIMIT and _per_thread.state.pickler is not kept
+    renewed = _per_thread.state.pickler
     import threading
 
     with pytest.raises(rpc.SerializationError):
         dumps([(float(i), "x") for i in range(5_000)] + [threading.Lock()])
-    assert _thread_pickler.pickler is not renewed  # a failed payload may have grown it too
+    assert _per_thread.state.pickler is not renewed  # a failed payload may have grown it too
     assert loads(*dumps((1, "two"))) == (1, "two")  # and the fresh one works
     assert loads(big) == [(float(i), "x", i) for i in range(20_000)]
 

@@ -29,13 +29,17 @@ _Task = tuple[Callable[..., Any], tuple[Any, ...]]
 STALL_SECONDS = 0.002
 
 
+class _PoolMembership(threading.local):
+    member = False  # set on the pool's own threads (a class default: no failed lookup)
+
+
 class WorkerPool:
     def __init__(
         self, max_threads: int, name: str, before_wait: Callable[[], None] = lambda: None
     ) -> None:
         self._max_threads = max_threads
         self._before_wait = before_wait
-        self._local = threading.local()  # .member: set on the pool's own threads
+        self._local = _PoolMembership()
         self._name = name
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -79,7 +83,7 @@ class WorkerPool:
 
     def on_pool_thread(self) -> bool:
         """Whether the calling thread is one of this pool's."""
-        return getattr(self._local, "member", False)
+        return self._local.member
 
     def started_outside(self) -> None:
         """A busy thread started another task itself (a request its serving turn received)."""

@@ -107,6 +107,15 @@ _Queued = list[tuple[int, int, Any]]  # (kind, message id, payload or a reply's 
 _T = TypeVar("_T")
 
 
+class _OwedReplies(threading.local):
+    """Per thread: ``ranks``, where the replies it queued go; ``quick``, (kind, id of the
+    function) of the last request it ran if that was quick. (Class defaults: a thread
+    that never set them reads None without a failed lookup, on every request.)"""
+
+    ranks: set[int] | None = None
+    quick: tuple[int, int] | None = None
+
+
 class Riders:
     """The notifications and replies queued for each peer rank, and their statistics."""
 
@@ -126,9 +135,7 @@ class Riders:
         # that ran inside them (see _changing)
         self._depth = 0
         self._nested: list[tuple[int, tuple[int, int, Any], float]] = []
-        # per thread: .ranks, where its queued replies go; .quick, (kind, function) of the
-        # last request it ran if that was quick
-        self._owed = threading.local()
+        self._owed = _OwedReplies()
         self.carried = 0  # notifications that rode on a message sent anyway (statistics)
         self.sent_alone = 0  # messages sent only to carry notifications that waited
         self.replies_deferred = 0  # replies queued to ride on a later message (statistics)
@@ -203,7 +210,7 @@ class Riders:
             if earlier:
                 self._due[rank] = due
             self.replies_deferred += 1
-        owed = getattr(self._owed, "ranks", None)
+        owed = self._owed.ranks
         if owed is None:
             owed = self._owed.ranks = set()
         owed.add(rank)
@@ -215,8 +222,8 @@ class Riders:
     def before_request(self, kind: int, first: Any) -> None:
         """This thread is about to run a request of ``kind`` whose payload starts with
         ``first``: the replies it queued go now unless the request is known to be quick."""
-        owed = getattr(self._owed, "ranks", None)
-        if owed and getattr(self._owed, "quick", None) != (kind, id(first)):
+        owed = self._owed.ranks
+        if owed and self._owed.quick != (kind, id(first)):
             self.settle_owed()
 
     def after_request(self, kind: int, first: Any, seconds: float | None) -> None:
@@ -228,12 +235,12 @@ class Riders:
 
     def owes(self) -> bool:
         """Whether this thread queued replies it has not settled yet."""
-        return bool(getattr(self._owed, "ranks", None))
+        return bool(self._owed.ranks)
 
     def settle_owed(self) -> None:
         """Send the replies this thread queued, on a message of their own where nothing
         else took them along meanwhile (a thread calls this before it waits for work)."""
-        owed = getattr(self._owed, "ranks", None)
+        owed = self._owed.ranks
         if not owed:
             return
         ranks = list(owed)

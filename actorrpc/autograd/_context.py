@@ -331,13 +331,19 @@ class ContextStore:
             ctx.release()
 
 
-# The current context is per thread (as in torch); it holds an id, not the object,
-# so a stale id after shutdown simply finds no context.
-_local = threading.local()
+class _CurrentContext(threading.local):
+    """The current context is per thread (as in torch); it holds an id, not the object,
+    so a stale id after shutdown simply finds no context. (A class default: a thread
+    that never entered one reads None without a failed lookup, on every call it makes.)"""
+
+    context_id: int | None = None
+
+
+_local = _CurrentContext()
 
 
 def current_context_id() -> int | None:
-    return getattr(_local, "context_id", None)
+    return _local.context_id
 
 
 def set_current_context_id(context_id: int | None) -> None:

@@ -104,6 +104,7 @@ class RecvRpc(torch.autograd.Function):
 # active) only binds default arguments for ``setup_context`` (neither defines one) and
 # unwraps dead functorch wrappers from the arguments (none without a transform): about
 # 5 µs of ``SendRpc.apply`` and 10 of ``RecvRpc.apply``, per message, on a slow host.
+_RECV_NODE = RecvRpc._backward_cls  # the type of RecvRpc's nodes (tagged by recv_tag)
 _send_rpc_apply = super(torch.autograd.Function, SendRpc).apply
 _recv_rpc_apply = super(torch.autograd.Function, RecvRpc).apply
 _functorch_active = torch._C._are_functorch_transforms_active
@@ -170,7 +171,8 @@ def leaves_of_edges(edges: Iterable[GradientEdge]) -> tuple[torch.Tensor, ...] |
 
 def recv_tag(node: Any) -> tuple[int, int, int, int] | None:
     """``(context_id, message_id, sender, num_outputs)`` of a RecvRpcBackward node, else None."""
-    return getattr(node, _TAG, None)
+    # (other nodes fail the lookup: an exception each, per node a pass walks)
+    return getattr(node, _TAG, None) if type(node) is _RECV_NODE else None
 
 
 # -- values ------------------------------------------------------------------------------
