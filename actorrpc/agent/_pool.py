@@ -96,20 +96,20 @@ class WorkerPool:
     def _run(self) -> None:
         undo_inherited_batch()  # (when the agent's I/O thread started it: user code runs here)
         self._local.member = True
-        get = self._queue.get
+        get, empty = self._queue.get, self._queue.empty
+        task: _Task | None = None  # a task taken while still counted busy
         while True:
-            try:
-                task = get(False)
-            except queue.Empty:
-                self._run_before_wait()  # (usually done already, while counted busy)
-                task = get()
             if task is None:
-                self._run_before_wait()
-                return
-            with self._lock:
-                self._idle -= 1
-                self.busy += 1
-                self._last_start = time.monotonic()
+                if empty():  # (usually ran already, while counted busy)
+                    self._run_before_wait()
+                task = get()
+                if task is None:
+                    self._run_before_wait()
+                    return
+                with self._lock:
+                    self._idle -= 1
+                    self.busy += 1
+                    self._last_start = time.monotonic()
             fn, args = task
             try:
                 fn(*args)
@@ -118,11 +118,23 @@ class WorkerPool:
             finally:
                 # an idle thread must not keep its last request (and the tensors in it) alive
                 task = fn = args = None  # type: ignore[assignment]
-                if self._queue.empty():  # still counted busy: a send that blocks grows the pool
-                    self._run_before_wait()
-                with self._lock:
-                    self._idle += 1
-                    self.busy -= 1
+                # queued work goes on in this thread, still counted busy (no idle-busy
+                # round trip per task in a stream of requests); a stop stays queued
+                if not empty():
+                    try:
+                        task = get(False)
+                    except queue.Empty:  # another thread took it
+                        task = None
+                    if task is None:  # (a stop: taken again, idle, at the loop's start)
+                        self._queue.put(None)
+                    else:
+                        self._last_start = time.monotonic()
+                if task is None:
+                    if empty():  # still counted busy: a send that blocks grows the pool
+                        self._run_before_wait()
+                    with self._lock:
+                        self._idle += 1
+                        self.busy -= 1
 
     def _run_before_wait(self) -> None:
         try:
