@@ -226,3 +226,15 @@ def test_a_creation_error_reads_as_one_even_before_remotes_own_callback_ran(
     assert fetch.done(), "the fetch was not failed with the creation"
     with pytest.raises(RpcTimeoutError, match="RRef creation via rpc.remote\\(\\) timed out"):
         fetch.wait()
+
+
+def test_a_futures_description_names_the_call_and_the_worker(cluster: list[str]) -> None:
+    """The description travels as a (what, where) pair, formatted only when shown."""
+    future = rpc.rpc_async("worker1", _sleep_then, args=(5, 0.0))
+    assert future.wait() == 5
+    assert future.description == "_sleep_then on worker1"
+    assert repr(future) == "<actorrpc.Future _sleep_then on worker1 done>"
+    result: CallResult[int] = CallResult(("a pass", "worker2"))
+    assert result.description == "a pass on worker2" and "a pass on worker2" in repr(result)
+    assert CallResult("plain text").description == "plain text"
+    assert CallResult(lambda: "made when needed").description == "made when needed"

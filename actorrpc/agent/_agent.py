@@ -411,7 +411,9 @@ class Agent(MessageDispatcher):
         if timeout is None or timeout < 0:  # (effective_timeout, without a call per message)
             timeout = self.options.rpc_timeout
         message_id = next(self._message_ids)
-        future = make(lambda: f"{description or kind.name} on {dest.name}", self)
+        # (a pair, formatted when needed: a closure would be five objects for the garbage
+        # collector, per call in flight)
+        future = make((description or kind.name, dest.name), self)
         self._pending[message_id] = PendingCall(
             future, dest, description, timeout, on_result, self._take_credit(dest, kind, timeout),
             kind, undo,
