@@ -100,9 +100,11 @@ def test_rpc_sync_makes_no_torch_future_but_rpc_async_does(
 ) -> None:
     made: list[Any] = []
     init = _futures._init_torch_future
+    me = threading.get_ident()
 
     def counted(future: Any, devices: Any) -> None:
-        made.append(future)
+        if threading.get_ident() == me:  # (not the agent's own, such as a liveness check's)
+            made.append(future)
         init(future, devices)
 
     monkeypatch.setattr(_futures, "_init_torch_future", counted)

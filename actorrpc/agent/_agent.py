@@ -41,7 +41,7 @@ from ..errors import (
     ShutdownError,
 )
 from ..protocol import FLAG_RIDERS, Header, MessageKind, encode_header, encode_inline
-from ..serialization import PickleTarget, dumps_for
+from ..serialization import PickleTarget, dumps_for, function_reference
 from ..transport import Transport
 from ._batch_scheduling import MAX_AGENT_IO_WAIT, BatchScheduling
 from ._calls import (
@@ -493,9 +493,11 @@ class Agent(MessageDispatcher):
         makes (:class:`CallResult` where nobody else will see it)."""
         record, on_result = self.prepare_call(dest, args, kwargs)
         name = getattr(func, "__qualname__", None) or repr(func)
+        # (an importable function travels as the bytes that name it, made once: see
+        # serialization._function_refs)
+        payload = (function_reference(func), record.args, record.kwargs, record.meta, *extra)
         return self._send_request(
-            make, dest, kind, (func, record.args, record.kwargs, record.meta, *extra), timeout,
-            name, on_result, hold and not record.meta,
+            make, dest, kind, payload, timeout, name, on_result, hold and not record.meta,
         )
 
     def call_and_wait(

@@ -41,7 +41,7 @@ from ..protocol import (
     decode_header,
     decode_riders,
 )
-from ..serialization import dumps, loads, loads_from
+from ..serialization import dumps, loads, loads_from, resolve_function_reference
 from ._calls import (
     CallHook,
     CallRecord,
@@ -270,9 +270,12 @@ class MessageDispatcher(ReplySettling):
                 except DeserializationError as exc:
                     undecoded = exc.taken_over
                     raise
+                first = payload[0] if type(payload) is tuple and payload else None
+                if type(first) is bytes and kind in _CALL_KINDS:  # a function by reference
+                    first = resolve_function_reference(first)
+                    payload = (first, *payload[1:])
                 if message_id:  # what shutdown names if it gives up waiting for it
                     self._serving[(sender.id, message_id)] = (kind, payload, started)
-                first = payload[0] if type(payload) is tuple and payload else None
                 if source is not None and source.pending:  # it waits: queued replies go first
                     self.riders.settle_owed()
                     for waiter in source.pending:

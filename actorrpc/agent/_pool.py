@@ -51,8 +51,12 @@ class WorkerPool:
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         self._queue.put((fn, args))
-        if self._idle == 0:
-            self._grow(time.monotonic())
+        # (what ``_grow`` checks under its lock, first without it: in a stream of requests
+        # served by a busy thread it would not grow, and the lock is taken per request)
+        if self._idle == 0 and len(self._threads) < self._max_threads:
+            now = time.monotonic()
+            if not self._threads or now - self._last_start >= STALL_SECONDS:
+                self._grow(now)
 
     def idle_or_empty(self) -> bool:
         return bool(self._idle) or self._queue.empty()

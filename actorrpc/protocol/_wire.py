@@ -64,7 +64,7 @@ see below, and the last ``MEMBERSHIP`` message of a leaving worker). Payloads ar
 ========================  ==  ============================================================
 kind                      id  payload
 ========================  ==  ============================================================
-CALL                       1  ``(func, args, kwargs, meta)``
+CALL                       1  ``(func, args, kwargs, meta)`` (``func``: see below)
 RESPONSE                   2  result value
 EXCEPTION                  3  ``(type, repr, traceback, worker name, undecoded)``
 REMOTE_CALL                4  ``(func, args, kwargs, meta, rref_id, fork_id)``
@@ -92,6 +92,12 @@ cannot unpickle a ``RESPONSE`` tells the callee in a ``REPLY_UNDECODED``
 notification naming the request's message id and the fork ids it rebuilt; the
 callee undoes the other forks it made for that reply (it remembers the last
 4,096 replies that carried RRefs).
+
+A call's ``func`` (``CALL``, ``REMOTE_CALL``, ``REMOTE_CALL_FETCH``) is the
+function itself, or, for one that travels by reference (importable by its module
+and name), ``bytes``: that function's own pickle, made once per function by the
+caller and resolved once per distinct reference by the callee
+(``serialization._function_refs``). Protocol version 9 introduced it.
 
 ``meta`` is a dict of call metadata contributed by registered call hooks (for
 example the distributed autograd context id). Higher layers register handlers
@@ -195,7 +201,7 @@ __all__ = [
 ]
 
 MAGIC = b"AR"
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535

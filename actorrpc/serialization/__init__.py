@@ -1,5 +1,6 @@
 """Serialization: pickle protocol 5, out-of-band tensor buffers, dill for code by value."""
 
+from ._function_refs import function_reference, resolve_function_reference
 from ._pickling import (
     PickleTarget,
     UnpickleSource,
@@ -19,7 +20,9 @@ __all__ = [
     "current_unpickle_source",
     "dumps",
     "dumps_for",
+    "function_reference",
     "loads",
     "loads_from",
     "register_reducer",
+    "resolve_function_reference",
 ]
