@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import operator
 import pickle
+import sys
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 import actorrpc as rpc
 from actorrpc.agent import _agent
-from actorrpc.serialization import _function_refs
+from actorrpc.serialization import _function_refs, dumps_for
 from actorrpc.serialization._function_refs import function_reference, resolve_function_reference
 
 pytestmark = pytest.mark.timeout(60)
@@ -43,8 +44,10 @@ def test_what_travels_by_value_or_is_no_function_stays_in_the_payload() -> None:
     def local(x: Any) -> Any:
         return x
 
-    by_main = eval("lambda x: x")  # noqa: S307 - a function whose module is __main__
-    by_main.__module__ = "__main__"
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec("def by_main(x):\n    return x", namespace)  # noqa: S102 - a __main__ function
+    by_main = namespace["by_main"]
+    assert by_main.__module__ == "__main__" and by_main.__qualname__ == "by_main"
     instance = _Callable()
     for func in (local, lambda x: x, by_main, instance, instance.method,
                  functools.partial(importable, 1), [].append, "not callable"):
@@ -72,6 +75,39 @@ def test_an_unimportable_or_uncallable_reference_fails_naming_it() -> None:
         resolve_function_reference(missing)
     with pytest.raises(rpc.DeserializationError, match="not callable"):
         resolve_function_reference(pickle.dumps(7))
+
+
+def test_a_rebound_function_is_called_as_its_module_has_it_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    original = importable
+    reference = function_reference(original)
+    assert resolve_function_reference(reference) is original
+
+    def replacement(x: Any) -> Any:
+        return -x
+
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "importable", replacement)  # as a reload or mock.patch does
+    assert resolve_function_reference(reference) is replacement
+    # the caller's stale function object is no longer a reference: pickled in the payload,
+    # where plain pickling refuses it (not the object its module names)
+    assert function_reference(original) is original
+    with pytest.raises(rpc.SerializationError, match="func"):
+        dumps_for(1, (original, (), {}, {}), ("func", "args", "kwargs", "meta"))
+
+
+def test_a_call_of_a_function_that_cannot_be_pickled_names_it(cluster: list[str]) -> None:
+    def hidden(x: Any) -> Any:
+        return x
+
+    hidden.__qualname__ = "no_such_name_here"  # its module does not hold it under that name
+    hidden.__module__ = __name__
+    assert function_reference(hidden) is hidden
+    with pytest.raises(rpc.SerializationError, match="func"):
+        rpc.rpc_sync("worker1", hidden, args=(1,))
+    with pytest.raises(TypeError, match="not callable"):
+        rpc.rpc_sync("worker1", b"not a function")  # bytes never pass for a reference
 
 
 def test_both_tables_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,4 +142,5 @@ def test_calls_carry_the_reference_and_run_the_function(
 
 
 def _resolved_on_callee(reference: bytes) -> bool:
-    return _function_refs._resolved.get(reference) is importable
+    entry = _function_refs._resolved.get(reference)
+    return entry is not None and entry[2] is importable

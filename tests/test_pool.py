@@ -11,10 +11,26 @@ from actorrpc.agent._pool import WorkerPool
 from ._waiting import wait_until
 
 
+class _CountedLock:
+    """The pool's lock, counting how often it is taken."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.taken = 0
+
+    def __enter__(self) -> bool:
+        self.taken += 1
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.__exit__(*exc)
+
+
 def test_queued_tasks_run_on_in_the_thread_that_finds_them_counted_busy() -> None:
     events: list[tuple[str, int, int]] = []  # (what, thread, busy count)
     pool = WorkerPool(1, "pool-test", before_wait=lambda: events.append(
         ("before_wait", threading.get_ident(), pool.busy)))
+    lock = pool._lock = _CountedLock()  # type: ignore[assignment]
 
     def task(name: str, then: list[str]) -> None:
         events.append((name, threading.get_ident(), pool.busy))
@@ -33,6 +49,9 @@ def test_queued_tasks_run_on_in_the_thread_that_finds_them_counted_busy() -> Non
         assert after and after[0][2] == 1
         assert all(e[0] != "before_wait" for e in events[events.index(ran[0]):
                                                         events.index(ran[-1])])
+        # the thread's start, idle to busy once, busy to idle once: not twice per task,
+        # nor once per task submitted while it runs (it cannot grow past one thread)
+        assert lock.taken == 3
     finally:
         pool.close()
 

@@ -491,6 +491,8 @@ class Agent(MessageDispatcher):
         """Run ``func(*args, **kwargs)`` on ``dest``; ``extra`` fields follow the meta dict
         (``hold``: see :meth:`send_request`). Returns a :class:`Future`, or what ``make``
         makes (:class:`CallResult` where nobody else will see it)."""
+        if type(func) is bytes:  # (bytes in a call's place name a function: see below)
+            raise TypeError(f"{func!r} is not callable")
         record, on_result = self.prepare_call(dest, args, kwargs)
         name = getattr(func, "__qualname__", None) or repr(func)
         # (an importable function travels as the bytes that name it, made once: see

@@ -83,6 +83,8 @@ _CALL_KINDS = frozenset(
 def _request_name(kind: MessageKind, payload: Any) -> str:
     """A served request in words: its function's name for a call, else its kind."""
     if kind in _CALL_KINDS and isinstance(payload, tuple):
+        if type(payload[0]) is bytes:  # (one that could not be resolved)
+            return "a function reference"
         return getattr(payload[0], "__qualname__", None) or repr(payload[0])
     return kind.name
 

@@ -108,8 +108,9 @@ class Future(torch.futures.Future, Completion, Generic[T]):  # type: ignore[misc
         tensor([2., 2.])
     """
 
-    # (slots: no instance dict per call in flight, one object fewer for the collector; the
-    # state Completion keeps in class defaults is set here, as slots shadow them)
+    # (slots: no instance dict is made for a call in flight, one object fewer for the
+    # collector; a dict is still made if anything else sets an attribute; the state
+    # Completion keeps in class defaults is set here, as slots shadow them)
     __slots__ = ("_agent", "_blocked", "_description", "_done", "_error", "_gate", "_receiver")
 
     def __init__(self, description: Any = "", agent: Any = None) -> None:
