@@ -45,6 +45,8 @@ def test_summary_orients_the_change_by_mode() -> None:
     assert "-13.6 %" in latency and "better" in latency and "2 of 3" in latency
     throughput = ab_switch.summarize("async", [900.0, 1000.0], [1000.0, 1100.0])
     assert "worse" in throughput and "0 of 2" in throughput
+    waited_all = ab_switch.summarize("async_all", [1100.0, 1200.0], [1000.0, 1100.0])
+    assert "better" in waited_all and "2 of 2" in waited_all
 
 
 def test_the_command_line_refuses_unknown_modes_and_too_few_blocks() -> None:

@@ -23,7 +23,7 @@ import pytest
 
 import actorrpc as rpc
 from actorrpc.agent._pool import WorkerPool
-from actorrpc.agent._riders import REPLY_DELAY, RIDER_DELAY, Riders
+from actorrpc.agent._riders import REPLY_BATCH, REPLY_DELAY, RIDER_DELAY, Riders
 from actorrpc.protocol import MessageKind, decode_riders
 
 from ._cluster import run_script
@@ -120,6 +120,23 @@ def test_a_thread_settles_only_the_replies_it_queued_and_still_queued() -> None:
     assert not riders.owes()
     riders.settle_owed()
     assert agent.carriers == [1]
+
+
+def test_a_full_batch_of_replies_leaves_at_once_for_its_caller_only() -> None:
+    """REPLY_BATCH replies queued for one caller go together, at once (the caller works
+    through them while the burst goes on); another caller's stay queued."""
+    agent, riders = _riders()
+    riders.add_reply(2, 1000, b"other")
+    for message_id in range(1, REPLY_BATCH):
+        riders.add_reply(1, message_id, b"r")
+    assert agent.carriers == [] and len(riders.queued[1]) == REPLY_BATCH - 1
+    riders.add_reply(1, REPLY_BATCH, b"r")  # the batch is full
+    assert agent.carriers == [1] and 1 not in riders.queued
+    assert [m for _, m, _ in riders.queued[2]] == [1000]
+    riders.add_reply(1, REPLY_BATCH + 1, b"r")  # a new batch begins
+    assert agent.carriers == [1] and len(riders.queued[1]) == 1
+    riders.settle_owed()  # what is left goes when the thread runs out of work
+    assert sorted(agent.carriers) == [1, 1, 2] and not riders.queued
 
 
 def test_a_reply_put_back_keeps_its_short_delay() -> None:
