@@ -7,6 +7,7 @@ import functools
 import operator
 import pickle
 import sys
+import types
 from typing import Any
 
 import pytest
@@ -95,6 +96,37 @@ def test_a_rebound_function_is_called_as_its_module_has_it_now(
     assert function_reference(original) is original
     with pytest.raises(rpc.SerializationError, match="func"):
         dumps_for(1, (original, (), {}, {}), ("func", "args", "kwargs", "meta"))
+
+
+def test_a_reimported_module_or_a_renamed_function_ends_a_cached_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    original = importable
+    reference = function_reference(original)
+    assert resolve_function_reference(reference) is original
+
+    def elsewhere(x: Any) -> Any:
+        return x
+
+    fresh = types.ModuleType(__name__)  # the module imported anew (its old dict still holds
+    fresh.importable = elsewhere  # type: ignore[attr-defined]  # the cached function)
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, __name__, fresh)
+        assert resolve_function_reference(reference) is elsewhere
+        assert function_reference(original) is original  # not what the module holds now
+    assert resolve_function_reference(reference) is original  # (the old module again)
+    assert function_reference(original) == reference
+    with monkeypatch.context() as patch:
+        patch.setattr(original, "__qualname__", "renamed_importable")
+        assert function_reference(original) is original  # no longer under its name
+
+
+def test_a_builtin_bound_to_an_object_stays_in_the_payload() -> None:
+    holder = _Callable()
+    bound = [1].count  # a builtin whose __self__ is a list
+    assert function_reference(bound) is bound
+    method = holder.method
+    assert function_reference(method) is method
 
 
 def test_a_call_of_a_function_that_cannot_be_pickled_names_it(cluster: list[str]) -> None:

@@ -225,16 +225,16 @@ class Riders:
             if earlier:
                 self._due[rank] = due
             self.replies_deferred += 1
+        owed = self._owed.ranks  # (also when the batch leaves now: if sending fails, they
+        if owed is None:  # are put back, and the thread's settling sends them later)
+            owed = self._owed.ranks = set()
+        owed.add(rank)
         agent = self._agent
         agent.stats.bytes_out[rank] += len(body)
         if full:  # the caller takes these while this side serves the rest of the burst
-            self._send_alone(rank)
-            return
-        owed = self._owed.ranks
-        if owed is None:
-            owed = self._owed.ranks = set()
-        owed.add(rank)
-        if earlier:  # the I/O thread sends it by then if nothing else does
+            if rank in self.queued:  # (another message may have taken them along already)
+                self._send_alone(rank)
+        elif earlier:  # the I/O thread sends it by then if nothing else does
             agent.inbox.wake_io_by(due, agent.wake_inbox)
 
     def before_request(self, kind: int, first: Any) -> None:

@@ -40,22 +40,34 @@ from ._pickling import dumps, loads
 __all__ = ["function_reference", "resolve_function_reference"]
 
 _TABLE_LIMIT = 4096
-# function -> (the namespace that names it, its name there, the bytes that name it)
-_references: dict[Any, tuple[dict[str, Any], str, bytes]] = {}
-# those bytes -> (the namespace that named the function here, its name, the function)
-_resolved: dict[bytes, tuple[dict[str, Any], str, Any]] = {}
+# function -> (its module, its name there, the bytes that name it)
+_references: dict[Any, tuple[types.ModuleType, str, bytes]] = {}
+# those bytes -> (the module that named the function here, its name there, the function)
+_resolved: dict[bytes, tuple[types.ModuleType, str, Any]] = {}
 
 
-def _home(func: Any) -> tuple[dict[str, Any], str] | None:
-    """The dict of the module that holds ``func`` and its name there, if it has one: its
-    qualified name, undotted (a builtin: its name, as ``torch.add``, whose qualified name
-    is its class's)."""
+def _name_of(func: Any) -> str:
+    """The name its module holds ``func`` under: its qualified name (a builtin: its name,
+    as ``torch.add``, whose qualified name is its class's)."""
+    return func.__name__ if type(func) is types.BuiltinFunctionType else func.__qualname__
+
+
+def _home(func: Any) -> tuple[types.ModuleType, str] | None:
+    """The module (as ``sys.modules`` has it now) that holds ``func`` under its plain
+    undotted name, and that name; None if there is none."""
     module = sys.modules.get(getattr(func, "__module__", None) or "")
-    name = func.__name__ if type(func) is types.BuiltinFunctionType else func.__qualname__
-    if module is None or "." in name or "<" in name:
+    name = _name_of(func)
+    namespace = getattr(module, "__dict__", None)
+    if namespace is None or "." in name or "<" in name or namespace.get(name) is not func:
         return None
-    namespace = vars(module)
-    return (namespace, name) if namespace.get(name) is func else None
+    return module, name  # type: ignore[return-value]
+
+
+def _at_home(func: Any, module: types.ModuleType, name: str) -> bool:
+    """Whether ``func`` is still what ``sys.modules`` says its module holds under ``name``
+    (a reload, ``mock.patch``, a renamed function or a re-imported module: no longer)."""
+    return (module.__dict__.get(name) is func and sys.modules.get(func.__module__) is module
+            and _name_of(func) == name)
 
 
 def function_reference(func: Any) -> Any:
@@ -63,13 +75,15 @@ def function_reference(func: Any) -> Any:
     cls = type(func)
     if cls is types.FunctionType or cls is types.BuiltinFunctionType:
         entry = _references.get(func)
-        if entry is not None and entry[0].get(entry[1]) is func:
+        if entry is not None and _at_home(func, entry[0], entry[1]):
             return entry[2]
     else:
         return func
-    if cls is types.FunctionType and func.__module__ in (None, "__main__"):
-        return func  # by value
-    # (a builtin bound to some object has no module that names it: it stays in the payload)
+    if cls is types.FunctionType:
+        if func.__module__ in (None, "__main__"):
+            return func  # by value
+    elif func.__self__ is not None and type(func.__self__) is not types.ModuleType:
+        return func  # a builtin bound to some object
     home = _home(func)
     if home is None:
         _references.pop(func, None)
@@ -93,7 +107,7 @@ def resolve_function_reference(reference: bytes) -> Any:
         DeserializationError: it cannot be imported here (naming the module or name).
     """
     entry = _resolved.get(reference)
-    if entry is not None and entry[0].get(entry[1]) is entry[2]:
+    if entry is not None and _at_home(entry[2], entry[0], entry[1]):
         return entry[2]
     func = loads(reference)  # (its DeserializationError names what failed)
     if not callable(func):
