@@ -39,6 +39,12 @@ class _Threads:
         self.cpu = 0.0
         self.cpu_share = 0.2  # CPUs this process uses: little, the rest is someone else's
         self.spins = (0.0, 0)  # (seconds busy polls spun, spins and polls that lost the core)
+        # the CPUs' busy seconds since boot (None: unknown, as where /proc/stat is missing),
+        # the CPUs this process's threads may run on, and the share of those CPUs that
+        # other processes use (added to the busy seconds at each check)
+        self.core_busy: dict[int, float] | None = None
+        self.cores = {0}
+        self.foreign_share = 0.0
 
     def wake(self, times: int, wait_us: float, tids: Iterable[int] | None = None) -> None:
         for tid in tids or list(self.waits):
@@ -62,11 +68,18 @@ class _Threads:
             list(self.waits), enabled, self.read_waits, self.set_policy,
             clock=lambda: self.now, cpu_clock=lambda: self.cpu, max_wait=max_wait,
             own_spins=lambda: self.spins,
+            read_core_busy=lambda: None if self.core_busy is None else dict(self.core_busy),
+            process_cores=lambda: set(self.cores),
         )
 
     def check(self, scheduling: BatchScheduling) -> None:
         self.now += sched.CHECK_INTERVAL
         self.cpu += self.cpu_share * sched.CHECK_INTERVAL
+        if self.core_busy is not None:  # this process's CPU, on its first core, and others'
+            first = min(self.cores)
+            self.core_busy[first] += self.cpu_share * sched.CHECK_INTERVAL
+            for core in self.cores:
+                self.core_busy[core] += self.foreign_share * sched.CHECK_INTERVAL
         scheduling.check()
 
     def seconds_until_batch_again(self, scheduling: BatchScheduling) -> float:
@@ -143,6 +156,40 @@ def test_waits_behind_this_processs_own_spins_keep_batch_as_long_as_they_spun() 
     threads.wake(100, wait_us=900)
     threads.check(scheduling)
     assert (scheduling.policy, scheduling.fallbacks) == ("default", 2)
+
+
+def test_waits_of_a_process_alone_on_its_cores_keep_batch_until_another_process_comes() -> None:
+    """A pinned worker waits behind its own long copies with little CPU in all (its core
+    idle in between): batch stays while other processes leave that core alone."""
+    threads = _Threads()
+    threads.core_busy = {0: 50.0, 1: 80.0}
+    scheduling = threads.scheduling()
+    threads.cpu_share = 0.3  # below SELF_BUSY: the old guard gave batch up here
+    for _ in range(5):
+        threads.wake(100, wait_us=900)
+        threads.check(scheduling)
+    assert (scheduling.policy, scheduling.fallbacks) == ("batch", 0)
+    threads.cores = {0, 1}  # not confined: the other CPU's use (say, the peer) counts
+    threads.foreign_share = 0.5
+    threads.wake(100, wait_us=900)
+    threads.check(scheduling)
+    assert (scheduling.policy, scheduling.fallbacks) == ("default", 1)
+    threads.seconds_until_batch_again(scheduling)
+    threads.cores = {0}  # confined again, but a busy process shares the core now
+    threads.wake(100, wait_us=900)
+    threads.check(scheduling)
+    assert (scheduling.policy, scheduling.fallbacks) == ("default", 2)
+
+
+def test_the_cpus_busy_time_and_the_process_cores_are_read_from_proc() -> None:
+    busy = sched._read_core_busy()
+    cores = sched._process_cores()
+    if busy is None or cores is None:
+        pytest.skip("no /proc/stat or /proc/self/task here")
+    assert os.sched_getaffinity(0) <= cores and cores <= set(busy)
+    assert all(seconds >= 0 for seconds in busy.values())
+    later = sched._read_core_busy()
+    assert later is not None and all(later[c] >= busy[c] for c in busy)
 
 
 def test_quiet_intervals_are_not_judged_but_counted_on() -> None:

@@ -36,7 +36,10 @@ limit (:data:`MAX_BATCH_WAIT` for libzmq's, :data:`MAX_AGENT_IO_WAIT` for the
 agent's) while this process used less than :data:`SELF_BUSY` CPUs (so others
 took the core), and its waits less the time this process's busy polls spun
 (``transport._zmq`` ``_SPIN_SECONDS``: waits behind those are its own; none are
-excused once a spin or poll found its core taken) still exceed the limit, the
+excused once a spin or poll found its core taken) still exceed the limit, and other
+processes used at least :data:`FOREIGN_SHARE` of the CPUs this process's threads may
+run on (``/proc/stat``; a worker pinned to its own core waits behind its own long
+copies, such as a 64 MB tensor's, in windows where it used little CPU in all), the
 threads it watches go back to the default policy. They try ``SCHED_BATCH``
 again after a back-off that starts at :data:`MIN_BACKOFF` and doubles (up to
 :data:`MAX_BACKOFF`) while the trials keep failing.
@@ -71,6 +74,7 @@ from collections.abc import Callable, Iterable
 __all__ = [
     "BATCH",
     "CHECK_INTERVAL",
+    "FOREIGN_SHARE",
     "DEFAULT",
     "MAX_BACKOFF",
     "MAX_AGENT_IO_WAIT",
@@ -97,6 +101,11 @@ MIN_WAKEUPS = 20  # wake-ups of one thread before its waits are judged
 SELF_BUSY = 0.75  # CPUs this process used per second above which the waits are its own
 MIN_BACKOFF = 1.0
 MAX_BACKOFF = 60.0
+FOREIGN_SHARE = 0.25
+"""Share of the CPUs this process may run on that other processes used in a window, below
+which long waits are taken for waits behind this process's own threads. A pinned worker
+alone on its core, after 64 MB echoes: an autograd iteration 0.47-0.50 ms with batch kept,
+0.53-0.60 after the guard gave up (docs/performance.md, twenty-fourth session)."""
 
 BATCH = "batch"
 DEFAULT = "default"
@@ -104,9 +113,47 @@ OFF = "off"  # not asked for
 UNAVAILABLE = "unavailable"  # asked for, but no thread was found or the system refused
 
 _Waits = dict[int, tuple[int, int]]  # thread id -> (run-queue wait in ns, time slices)
+_CoreBusy = dict[int, float]  # CPU -> seconds it ran anything (not idle or stolen) since boot
 # where a thread's judged window began: its run-queue wait (ns) and slices, the wall
-# clock, the process's CPU time and its busy polls' spin_counts() then
-_Baseline = tuple[int, int, float, float, tuple[float, int]]
+# clock, the process's CPU time, its busy polls' spin_counts() and the CPUs' busy time then
+_Baseline = tuple[int, int, float, float, tuple[float, int], _CoreBusy | None]
+
+
+def _read_core_busy() -> _CoreBusy | None:
+    """Seconds each CPU ran anything since boot (``/proc/stat``: user, nice, system, irq,
+    softirq; ticks of ``SC_CLK_TCK``); None if unreadable."""
+    try:
+        with open("/proc/stat", encoding="ascii") as handle:
+            lines = handle.read().splitlines()
+        per_tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+    busy: _CoreBusy = {}
+    for line in lines:
+        if not line.startswith("cpu") or line.startswith("cpu "):
+            continue
+        fields = line.split()
+        try:
+            user, nice, system, _idle, _iowait, irq, softirq = map(int, fields[1:8])
+            busy[int(fields[0][3:])] = (user + nice + system + irq + softirq) * per_tick
+        except ValueError:
+            continue
+    return busy or None
+
+
+def _process_cores() -> set[int] | None:
+    """The CPUs any thread of this process may run on (None if unknown)."""
+    cores: set[int] = set()
+    try:
+        names = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for name in names:
+        try:
+            cores |= os.sched_getaffinity(int(name))
+        except (OSError, ValueError):
+            continue  # it ended meanwhile
+    return cores or None
 
 
 def _read_waits(tids: Iterable[int]) -> _Waits:
@@ -165,6 +212,8 @@ class BatchScheduling:
         cpu_clock: Callable[[], float] = time.process_time,
         max_wait: float = MAX_BATCH_WAIT,
         own_spins: Callable[[], tuple[float, int]] = lambda: (0.0, 0),
+        read_core_busy: Callable[[], _CoreBusy | None] = _read_core_busy,
+        process_cores: Callable[[], set[int] | None] = _process_cores,
     ) -> None:
         self.fallbacks = 0  # times batch was given up because the threads waited
         self.max_wait = max_wait  # the limit each watched thread is judged against
@@ -174,6 +223,8 @@ class BatchScheduling:
         self._cpu_clock = cpu_clock
         # (seconds this process's busy polls spun, spins and polls that lost their core)
         self._own_spins = own_spins
+        self._read_core_busy = read_core_busy
+        self._process_cores = process_cores
         self._tids: list[int] = []
         self._backoff = MIN_BACKOFF
         self._retry_at = 0.0
@@ -235,7 +286,7 @@ class BatchScheduling:
         if self._apply(tid, self.policy == BATCH):
             self._tids.append(tid)
             self._baselines[tid] = (*reading, self._clock(), self._cpu_clock(),
-                                    self._own_spins())
+                                    self._own_spins(), self._read_core_busy())
 
     def _switch(self, batch: bool) -> None:
         for tid in list(self._tids):
@@ -247,8 +298,9 @@ class BatchScheduling:
 
     def _start_window(self) -> None:
         now, cpu, spins = self._clock(), self._cpu_clock(), self._own_spins()
+        busy = self._read_core_busy()
         self._baselines = {
-            tid: (wait_ns, slices, now, cpu, spins)
+            tid: (wait_ns, slices, now, cpu, spins, busy)
             for tid, (wait_ns, slices) in self._read_waits(self.tids).items()
         }
         self._next_check = now + CHECK_INTERVAL
@@ -269,18 +321,18 @@ class BatchScheduling:
                 self._switch(True)
                 self._start_window()
             return
-        cpu, spins = self._cpu_clock(), self._own_spins()
+        cpu, spins, busy = self._cpu_clock(), self._own_spins(), self._read_core_busy()
         judged = over = lost = False  # over: a thread waited too long (excused or not)
         for tid, (wait_ns, slices) in self._read_waits(self.tids).items():
             baseline = self._baselines.get(tid)
             if baseline is None:
-                self._baselines[tid] = (wait_ns, slices, now, cpu, spins)
+                self._baselines[tid] = (wait_ns, slices, now, cpu, spins, busy)
                 continue
-            waited_from, slices_from, began, cpu_began, spins_began = baseline
+            waited_from, slices_from, began, cpu_began, spins_began, busy_began = baseline
             wakeups = slices - slices_from
             if wakeups < MIN_WAKEUPS:
                 continue  # too quiet to judge: keep counting from the same start
-            self._baselines[tid] = (wait_ns, slices, now, cpu, spins)
+            self._baselines[tid] = (wait_ns, slices, now, cpu, spins, busy)
             judged = True
             waited = (wait_ns - waited_from) / 1e9
             if waited / wakeups <= self.max_wait:
@@ -293,7 +345,7 @@ class BatchScheduling:
                 spins[0] - spins_began[0])
             if cpu - cpu_began < SELF_BUSY * (now - began) and (
                 unexplained / wakeups > self.max_wait
-            ):
+            ) and not self._alone(busy_began, busy, cpu - cpu_began, now - began):
                 lost = True
         if lost:
             self._switch(False)
@@ -302,6 +354,23 @@ class BatchScheduling:
             self._backoff = min(2 * self._backoff, MAX_BACKOFF)
         elif judged and not over:  # batch won a judged window outright: retries start over
             self._backoff = MIN_BACKOFF
+
+    def _alone(self, busy_began: _CoreBusy | None, busy: _CoreBusy | None, own_cpu: float,
+               seconds: float) -> bool:
+        """Whether the CPUs this process's threads may run on ran (almost) nothing but this
+        process in a window of ``seconds`` in which it used ``own_cpu``: its threads' waits
+        were behind its own."""
+        if busy_began is None or busy is None or seconds <= 0:
+            return False
+        cores = self._process_cores()
+        if not cores:
+            return False
+        used = 0.0
+        for core in cores:
+            if core not in busy or core not in busy_began:
+                return False
+            used += busy[core] - busy_began[core]
+        return used - own_cpu < FOREIGN_SHARE * seconds * len(cores)
 
     def describe(self) -> dict[str, object]:
         return {"policy": self.policy, "threads": len(self.tids), "fallbacks": self.fallbacks}
