@@ -78,15 +78,18 @@ def test_an_unimportable_or_uncallable_reference_fails_naming_it() -> None:
         resolve_function_reference(pickle.dumps(7))
 
 
+def _a_cached_reference() -> tuple[Any, bytes]:
+    """``importable`` and its reference, made and resolved (both tables hold them)."""
+    reference = function_reference(importable)
+    assert resolve_function_reference(reference) is importable
+    return importable, reference
+
+
 def test_a_rebound_function_is_called_as_its_module_has_it_now(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    original = importable
-    reference = function_reference(original)
-    assert resolve_function_reference(reference) is original
-
-    def replacement(x: Any) -> Any:
-        return -x
+    original, reference = _a_cached_reference()
+    replacement = functools.partial(operator.neg)  # (what the module holds instead)
 
     module = sys.modules[__name__]
     monkeypatch.setattr(module, "importable", replacement)  # as a reload or mock.patch does
@@ -101,13 +104,8 @@ def test_a_rebound_function_is_called_as_its_module_has_it_now(
 def test_a_reimported_module_or_a_renamed_function_ends_a_cached_reference(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    original = importable
-    reference = function_reference(original)
-    assert resolve_function_reference(reference) is original
-
-    def elsewhere(x: Any) -> Any:
-        return x
-
+    original, reference = _a_cached_reference()
+    elsewhere = functools.partial(operator.pos)
     fresh = types.ModuleType(__name__)  # the module imported anew (its old dict still holds
     fresh.importable = elsewhere  # type: ignore[attr-defined]  # the cached function)
     with monkeypatch.context() as patch:

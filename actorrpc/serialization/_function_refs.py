@@ -49,7 +49,9 @@ _resolved: dict[bytes, tuple[types.ModuleType, str, Any]] = {}
 def _name_of(func: Any) -> str:
     """The name its module holds ``func`` under: its qualified name (a builtin: its name,
     as ``torch.add``, whose qualified name is its class's)."""
-    return func.__name__ if type(func) is types.BuiltinFunctionType else func.__qualname__
+    if type(func) is types.BuiltinFunctionType:
+        return func.__name__  # type: ignore[no-any-return]
+    return getattr(func, "__qualname__", "")  # ("": any other callable a reference named)
 
 
 def _home(func: Any) -> tuple[types.ModuleType, str] | None:
