@@ -30,7 +30,7 @@ import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import dill
 import torch
@@ -150,22 +150,29 @@ exactly one of them pickles the same with plain :func:`pickle.dumps` (~0.2 µs),
 the thread's pickler and its target (~1.1 µs more): most results of small calls."""
 
 
+_Endpoint = TypeVar("_Endpoint", PickleTarget, UnpickleSource)
+
+
+def _made_on_demand(name: str, make: Callable[[int], _Endpoint]) -> _Endpoint | None:
+    """This thread's ``name`` (target or source), made for its rank on first demand (only
+    reducers that register side effects ask: not a per-message path)."""
+    state = _per_thread.state
+    made: _Endpoint | None = getattr(state, name)
+    rank: int | None = getattr(state, name + "_rank")
+    if made is None and rank is not None:
+        made = make(rank)
+        setattr(state, name, made)
+    return made
+
+
 def current_pickle_target() -> PickleTarget | None:
     """The target of the bytes being pickled on this thread (None outside :func:`dumps_for`)."""
-    state = _per_thread.state
-    target = state.target
-    if target is None and state.target_rank is not None:
-        target = state.target = PickleTarget(state.target_rank)
-    return target
+    return _made_on_demand("target", PickleTarget)
 
 
 def current_unpickle_source() -> UnpickleSource | None:
     """The source of the bytes being unpickled on this thread (None outside :func:`loads_from`)."""
-    state = _per_thread.state
-    source = state.source
-    if source is None and state.source_rank is not None:
-        source = state.source = UnpickleSource(state.source_rank)
-    return source
+    return _made_on_demand("source", UnpickleSource)
 
 
 def dumps_for(
