@@ -304,9 +304,6 @@ class AutogradEngine:
             return [], []
         # retain_graph=True always: another message of this pass may cross this subgraph.
         grads = gradients_at(outputs, inputs, grad_outputs)
-        for leaf, grad in zip(reach.leaves, grads):
-            if grad is not None:
-                ctx.accumulate(leaf, grad)
         futures: list[CallResult[Any]] = []
         owed: Owed = []
         offset = len(reach.leaves)
@@ -327,6 +324,13 @@ class AutogradEngine:
                 ))
             except BaseException as exc:  # noqa: BLE001 - reported with the others
                 futures.append(_failed(exc))
+        # this worker's leaves after the messages left: the peers' passes run meanwhile
+        try:
+            for leaf, grad in zip(reach.leaves, grads):
+                if grad is not None:
+                    ctx.accumulate(leaf, grad)
+        except BaseException as exc:  # noqa: BLE001 - reported once the messages are answered
+            futures.append(_failed(exc))
         return futures, owed
 
     def _continue_at(

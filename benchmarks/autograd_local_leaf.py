@@ -1,0 +1,135 @@
+"""A distributed-autograd iteration whose loss also depends on a large local parameter:
+how long the backward pass takes when the caller has its own leaves to accumulate.
+
+    python benchmarks/autograd_local_leaf.py [--n 400] [--size 1024] [--no-pin]
+                                             [--tree PATH ...]
+
+Two spawned actorrpc workers (pinned, rank r to CPU r, one intra-op thread each).
+Rank 0 runs ``--n`` iterations of::
+
+    with dist_autograd.context() as ctx:
+        received = rpc.rpc_sync("worker1", torch.mul, args=(x, 2))   # x: 256 x 256
+        loss = received.sum() + (weight * weight).sum()            # weight: size x size
+        dist_autograd.backward(ctx, [loss])
+        dist_autograd.get_gradients(ctx)
+
+and prints the median and p90 iteration time. The caller's local pass yields the
+gradient for the message to worker1 and for ``weight``, whose first accumulation in
+the context is a copy of ``size * size`` floats (4 MiB at 1024); the message leaves
+before that copy (``AutogradEngine._local_pass``), so worker1's pass runs meanwhile.
+
+``--tree PATH`` (repeatable) runs the workers on the actorrpc of another checkout
+(e.g. ``git worktree add /tmp/old <sha>``), interleaved with the others, so that two
+versions are compared in the same minutes; each worker checks that it imported
+actorrpc from the tree it was given (a plain ``PYTHONPATH`` would not: this script
+puts its own tree first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from _common import free_port, percentile
+
+HERE_TREE = str(Path(__file__).resolve().parents[1])
+
+
+def _iteration_times(rpc: Any, dist_autograd: Any, n: int, size: int) -> list[float]:
+    weight = torch.rand(size, size, requires_grad=True)
+    x = torch.rand(256, 256, requires_grad=True)
+
+    def iteration() -> None:
+        with dist_autograd.context() as ctx:
+            received = rpc.rpc_sync("worker1", torch.mul, args=(x, 2))
+            loss = received.sum() + (weight * weight).sum()
+            dist_autograd.backward(ctx, [loss])
+            grads = dist_autograd.get_gradients(ctx)
+        if not torch.equal(grads[x], torch.full_like(x, 2.0)):
+            raise AssertionError("wrong gradient for x")
+
+    for _ in range(max(5, n // 8)):
+        iteration()
+    times = []
+    for _ in range(n):
+        began = time.perf_counter()
+        iteration()
+        times.append(time.perf_counter() - began)
+    return times
+
+
+def _worker(rank: int, tree: str, port: int, n: int, size: int, pin: bool, out: Any) -> None:
+    sys.path.insert(0, tree)
+    if pin:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % 2]})
+    torch.set_num_threads(1)  # (a pinned process with two intra-op threads waits on itself)
+    import actorrpc as rpc
+    import actorrpc.autograd as dist_autograd
+
+    if not rpc.__file__ or not rpc.__file__.startswith(tree):
+        raise RuntimeError(f"imported actorrpc from {rpc.__file__}, not from {tree}")
+    options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+    try:
+        if rank == 0:
+            out.put(_iteration_times(rpc, dist_autograd, n, size))
+    finally:
+        rpc.shutdown()
+
+
+def run_once(tree: str, n: int, size: int, pin: bool, timeout: float = 300.0) -> list[float]:
+    """Iteration times (s) of one fresh pair of workers on ``tree``'s actorrpc."""
+    out = mp.get_context("spawn").Queue()
+    workers = mp.start_processes(_worker, args=(tree, free_port(), n, size, pin, out),
+                                 nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            times: list[float] = out.get(timeout=0.5)
+            break
+        except queue.Empty:
+            workers.join(0)  # raises with a worker's error, if one failed
+            if time.monotonic() >= deadline:
+                for process in workers.processes:
+                    process.kill()
+                raise TimeoutError(f"no result from the workers within {timeout} s") from None
+    while not workers.join(max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in workers.processes:
+                process.kill()
+            raise TimeoutError(f"the workers did not exit within {timeout} s")
+    return times
+
+
+def summarize(times: list[float]) -> str:
+    ordered = sorted(times)
+    return (f"median {statistics.median(ordered) * 1e3:.3f} ms, "
+            f"p90 {percentile(ordered, 90) * 1e3:.3f} ms over {len(ordered)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=400)
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=1, help="runs per tree, interleaved")
+    parser.add_argument("--no-pin", action="store_true")
+    parser.add_argument("--tree", action="append", default=[],
+                        help="another checkout's root; repeatable (default: this one)")
+    args = parser.parse_args()
+    trees = [str(Path(t).resolve()) for t in args.tree] or [HERE_TREE]
+    for _ in range(args.rounds):
+        for tree in trees:
+            print(f"{tree}: {summarize(run_once(tree, args.n, args.size, not args.no_pin))}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
