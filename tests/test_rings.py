@@ -34,6 +34,15 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _rings_offered_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Links offer their ring when made (the switch's tests; the default waits for a few
+    messages by socket, tested on its own below)."""
+    from actorrpc.transport import _zmq
+
+    monkeypatch.setattr(_zmq, "RING_AFTER_MESSAGES", 0)
+
+
 @contextlib.contextmanager
 def _ring_of(sent_before: int) -> Iterator[tuple[RingWriter, RingReader, Doorbell]]:
     """A 4 KiB ring, started after ``sent_before`` socket messages, and its doorbell."""
@@ -238,11 +247,9 @@ def _answered(link) -> bool:
     return bool(link._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
 
-def test_messages_keep_their_order_across_the_switch_to_the_ring(pair) -> None:
-    sender, receiver = pair
-    link = sender.link(b"1:receiver", receiver.endpoint)  # offers its ring
-    for i in range(50):
-        link.send([b"AR-header", b"%d" % i])
+def _switch_after(link, receiver: Transport, sent: int, total: int) -> None:
+    """``sent`` messages went by socket, the offer with or after them: the receiver takes
+    it, the sender switches at its next send, and all ``total`` arrive in order."""
     # the receiver takes the offer (and maybe some messages after it) and answers ...
     received: list[list[object]] = []
     assert wait_until(lambda: (received.extend(receiver.receive(0.05)),
@@ -250,14 +257,50 @@ def test_messages_keep_their_order_across_the_switch_to_the_ring(pair) -> None:
     # ... the sender switches at its next send: the ring's messages may then be readable
     # before the socket's last ones were received
     assert wait_until(lambda: _answered(link), timeout=20)
-    for i in range(50, 300):
+    for i in range(sent, total):
         link.send([b"AR-header", b"%d" % i])
-    assert wait_until(lambda: (received.extend(receiver.receive(0.05)), len(received))[1] == 300,
-                      timeout=20)
-    assert [bytes(m[2].buffer) for m in received] == [b"%d" % i for i in range(300)]  # type: ignore[attr-defined]
+    assert link.ring is not None
+    assert wait_until(lambda: (received.extend(receiver.receive(0.05)), len(received))[1]
+                      == total, timeout=20)
+    assert [bytes(m[2].buffer) for m in received] == [b"%d" % i for i in range(total)]  # type: ignore[attr-defined]
     assert all(m[0] == b"0:sender" for m in received)
-    assert link.ring is not None and sender.rings_out() == 1
-    assert receiver.ring_messages_in == 250
+    assert receiver.ring_messages_in == total - sent
+
+
+def test_messages_keep_their_order_across_the_switch_to_the_ring(pair) -> None:
+    sender, receiver = pair
+    link = sender.link(b"1:receiver", receiver.endpoint)  # offers its ring
+    for i in range(50):
+        link.send([b"AR-header", b"%d" % i])
+    _switch_after(link, receiver, 50, 300)
+    assert sender.rings_out() == 1
+
+
+def test_a_link_offers_its_ring_once_some_messages_went_by_socket(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A link that carries a message or two (one call to each of many peers) never pays
+    for a ring; one that keeps carrying switches, its messages in order."""
+    from actorrpc.transport import _zmq
+
+    monkeypatch.setattr(_zmq, "RING_AFTER_MESSAGES", 8)
+    sender, receiver = pair
+    link = sender.link(b"1:receiver", receiver.endpoint)
+    for i in range(7):
+        link.send([b"AR-header", b"%d" % i])
+    assert link._offered is None and link.ring is None
+    link.send([b"AR-header", b"7"])  # the eighth: the offer follows it
+    assert link._offered is not None
+    _switch_after(link, receiver, 8, 40)
+
+
+def test_a_link_made_after_its_messages_offers_at_once_and_only_once(pair) -> None:
+    sender, receiver = pair
+    link = sender.link(b"1:receiver", receiver.endpoint)
+    offered = link._offered
+    assert offered is not None
+    link.offer_ring(after_messages=3)  # (already offered: nothing more)
+    assert link._offered is offered and link._ring_after is None
 
 
 def _switched(sender: Transport, receiver: Transport):
@@ -647,8 +690,15 @@ def _ring_stats() -> dict[str, int]:
     return rpc.get_worker_stats()["rings"]
 
 
+def _ring_after_messages() -> int:
+    from actorrpc.transport import _zmq
+
+    return _zmq.RING_AFTER_MESSAGES
+
+
 def test_workers_of_one_host_talk_through_rings(cluster: list[str]) -> None:
-    for i in range(20):
+    # (the first ones by socket, as many as the workers' own setting says)
+    for i in range(20 + 2 * rpc.rpc_sync("worker1", _ring_after_messages)):
         assert rpc.rpc_sync("worker1", max, args=(i, 3)) == max(i, 3)
     local = rpc.get_worker_stats()["rings"]
     remote = rpc.rpc_sync("worker1", _ring_stats)

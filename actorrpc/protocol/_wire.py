@@ -121,7 +121,8 @@ Same-host rings
 Between workers on one host (x86-64), the messages above may travel through a
 shared-memory ring instead of the socket, unchanged: the same frames, framed
 by the ring's records (spec in ``actorrpc/transport/_ring.py``). The ring is
-offered and accepted with transport control messages whose first frame starts
+offered (once a link carried a few messages by socket: ``RING_AFTER_MESSAGES``)
+and accepted with transport control messages whose first frame starts
 with ``!`` (a message of this protocol starts with ``AR``, so the two never
 meet); a message that does not fit the ring's free space goes by socket as a
 spill ``[b"!spill", <Q sequence number, frames...]``, and the receiver

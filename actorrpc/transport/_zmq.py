@@ -53,6 +53,10 @@ _FD_GATED_EVENTS = True
 # with the ring all the same): a same-run A/B switch (benchmarks/ab_switch.py)
 _SEND_THROUGH_RINGS = True
 _COPY_THRESHOLD = 65536  # memoryview frames at least this big are sent zero-copy
+# A same-host link offers its ring once this many messages went by socket: a ring costs
+# a segment and a mapping on both ends (~0.3 ms of CPU in all), which a link that carries
+# a message or two (one call to each of 31 peers) never earns back; 0 offers at once.
+RING_AFTER_MESSAGES = 8
 _log = logging.getLogger("actorrpc.transport")
 _thread_name_prefixes = itertools.count(1)  # one per transport (ZMQ_THREAD_NAME_PREFIX)
 _THREAD_NAME_PREFIX = int(getattr(zmq, "THREAD_NAME_PREFIX", 9))  # ZMQ_THREAD_NAME_PREFIX
@@ -121,7 +125,9 @@ class PeerLink:
         self.closed = False
         self.ring: RingWriter | None = None  # in use: every message goes through it
         self._offered: RingWriter | None = None  # offered, not accepted yet
+        # messages sent by socket since the offer (before one: since the link was made)
         self._sent_since_offer = 0
+        self._ring_after: int | None = None  # offer a ring at that count (None: not due)
 
     def send(self, frames: Sequence[Any]) -> None:
         """Send one multipart message; memoryview frames of 64 KiB or more go zero-copy.
@@ -164,23 +170,34 @@ class PeerLink:
             self._activity.at = _monotonic()  # (again: a send may block, or go on in libzmq)
             if ring is None:
                 self._sent_since_offer += 1
+                if self._ring_after is not None and self._sent_since_offer >= self._ring_after:
+                    self._offer_ring()
 
-    def offer_ring(self) -> None:
-        """Offer the peer a ring for this link's messages (see ``_ring_inbox``)."""
+    def offer_ring(self, after_messages: int = 0) -> None:
+        """Offer the peer a ring for this link's messages (see ``_ring_inbox``), once
+        ``after_messages`` messages went by socket (at once if they did)."""
         with self._lock:
-            if self.closed or self.ring is not None or self._offered is not None:
-                return
-            try:
-                ring = RingWriter()
-            except OSError:
-                return  # no shared memory now: the socket it is
-            try:
-                _socket_send(self._socket, RING_OFFER, _SNDMORE)
-                _socket_send(self._socket, ring.name.encode(), 0)
-            except zmq.ZMQError:
-                ring.close()
-                return
-            self._offered, self._sent_since_offer = ring, 0
+            if self._sent_since_offer >= after_messages:
+                self._offer_ring()
+            elif self.ring is None and self._offered is None:
+                self._ring_after = after_messages
+
+    def _offer_ring(self) -> None:
+        """(Under the lock.) Offer a ring now, unless one is in use or offered already."""
+        self._ring_after = None
+        if self.closed or self.ring is not None or self._offered is not None:
+            return
+        try:
+            ring = RingWriter()
+        except OSError:
+            return  # no shared memory now: the socket it is
+        try:
+            _socket_send(self._socket, RING_OFFER, _SNDMORE)
+            _socket_send(self._socket, ring.name.encode(), 0)
+        except zmq.ZMQError:
+            ring.close()
+            return
+        self._offered, self._sent_since_offer = ring, 0
 
     def _answer_to_offer(self) -> RingWriter | None:
         """(Under the lock.) The ring to use from now on, if the peer accepted it."""
@@ -373,7 +390,7 @@ class Transport:
             link = PeerLink(socket, endpoint, self.socket_activity)
             self._links[peer] = link
         if self._rings and peer != self._identity and _host(endpoint) == _host(self.endpoint):
-            link.offer_ring()
+            link.offer_ring(after_messages=RING_AFTER_MESSAGES)
         return link
 
     def drop_link(self, peer: bytes) -> None:
