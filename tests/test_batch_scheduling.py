@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 import pytest
 
@@ -45,6 +46,7 @@ class _Threads:
         self.core_busy: dict[int, float] | None = None
         self.cores = {0}
         self.foreign_share = 0.0
+        self.reads: list[str] = []  # process-wide readings taken: "cpu", "spins", "busy"
 
     def wake(self, times: int, wait_us: float, tids: Iterable[int] | None = None) -> None:
         for tid in tids or list(self.waits):
@@ -66,11 +68,16 @@ class _Threads:
     ) -> BatchScheduling:
         return BatchScheduling(
             list(self.waits), enabled, self.read_waits, self.set_policy,
-            clock=lambda: self.now, cpu_clock=lambda: self.cpu, max_wait=max_wait,
-            own_spins=lambda: self.spins,
-            read_core_busy=lambda: None if self.core_busy is None else dict(self.core_busy),
+            clock=lambda: self.now, cpu_clock=lambda: self._read("cpu", self.cpu),
+            max_wait=max_wait, own_spins=lambda: self._read("spins", self.spins),
+            read_core_busy=lambda: self._read(
+                "busy", None if self.core_busy is None else dict(self.core_busy)),
             process_cores=lambda: set(self.cores),
         )
+
+    def _read(self, what: str, value: Any) -> Any:
+        self.reads.append(what)
+        return value
 
     def check(self, scheduling: BatchScheduling) -> None:
         self.now += sched.CHECK_INTERVAL
@@ -202,6 +209,27 @@ def test_quiet_intervals_are_not_judged_but_counted_on() -> None:
     threads.wake(half, wait_us=900)
     threads.check(scheduling)  # judged on both intervals together
     assert scheduling.policy == "default"
+
+
+def test_quiet_checks_read_only_the_threads_waits() -> None:
+    """An idle worker's checks read one schedstat per thread: the process clock, the
+    spins and /proc/stat only once a thread woke often enough to be judged."""
+    threads = _Threads(tids=[11, 12])
+    threads.core_busy = {0: 0.0}
+    scheduling = threads.scheduling()
+    threads.reads.clear()
+    for _ in range(sched.MIN_WAKEUPS - 1):
+        threads.wake(1, wait_us=10)
+        threads.check(scheduling)
+    assert threads.reads == []
+    threads.wake(1, wait_us=10, tids=[12])
+    threads.check(scheduling)  # thread 12 is judged (and thread 11 keeps counting)
+    assert sorted(threads.reads) == ["busy", "cpu", "spins"]
+    threads.reads.clear()
+    threads.wake(1, wait_us=10, tids=[11])  # its 20th: judged on every wait since the start
+    threads.check(scheduling)
+    assert sorted(threads.reads) == ["busy", "cpu", "spins"]
+    assert scheduling.policy == "batch"
 
 
 def test_thread_ids_may_come_as_any_iterable() -> None:
