@@ -1,0 +1,108 @@
+"""CPU that idle workers use, side by side: what a group costs while nobody calls.
+
+    python benchmarks/idle_cpu.py [--world 2] [--seconds 8] [--backends torch,actorrpc]
+
+For each backend, ``--world`` spawned workers start a group, make one all-to-all round
+of ``rpc_async`` calls (so every connection exists), wait a second, then sit idle for
+``--seconds`` while each measures the CPU time all its threads ran (the first field of
+``/proc/self/task/*/schedstat``, in ns: exact, unlike the tick-sampled ``utime``).
+Prints, per backend, the idle CPU of the whole group (% of one CPU) and per worker (ms
+of CPU per second). Linux only (``/proc``).
+
+On these 2-vCPU VMs every sleep-and-wake of a thread costs ~0.2 ms of CPU (a bare
+``time.sleep(0.05)`` loop: 227 µs per wake-up), so an idle worker's CPU is mostly its
+wake-ups: actorrpc's I/O thread looks at its timed work 20 times a second. Figures are
+in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import time
+from typing import Any
+
+import torch.multiprocessing as mp
+from _common import ensure_repo_on_path, free_port
+
+ensure_repo_on_path()
+
+from _metrics import Backend  # noqa: E402 - needs the repository on the path
+
+
+def noop() -> None:
+    return None
+
+
+def threads_cpu_seconds() -> float:
+    """CPU time all of this process's threads ran so far (threads that ended excluded)."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as handle:
+                total += int(handle.read().split()[0])
+        except (OSError, ValueError):
+            continue  # it ended meanwhile
+    return total / 1e9
+
+
+def _worker(rank: int, name: str, world: int, port: int, seconds: float, out: Any) -> None:
+    backend = Backend(name, port)
+    rpc = backend.rpc
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world,
+                 rpc_backend_options=backend.options)
+    try:
+        calls = [rpc.rpc_async(f"worker{peer}", noop) for peer in range(world) if peer != rank]
+        for call in calls:
+            call.wait()
+        time.sleep(1.0)  # (the round's after-effects: rides, releases, back-offs)
+        began = threads_cpu_seconds()
+        time.sleep(seconds)
+        out.put((rank, threads_cpu_seconds() - began))
+    finally:
+        rpc.shutdown()
+
+
+def measure(name: str, world: int, seconds: float, timeout: float = 120.0) -> float:
+    """Seconds of CPU per second that the whole idle group of ``name`` used."""
+    out = mp.get_context("spawn").Queue()
+    workers = mp.start_processes(_worker, args=(name, world, free_port(), seconds, out),
+                                 nprocs=world, join=False, start_method="spawn")
+    used: dict[int, float] = {}
+    deadline = time.monotonic() + timeout + seconds
+    while len(used) < world:
+        try:
+            rank, cpu = out.get(timeout=0.5)
+            used[rank] = cpu
+        except queue.Empty:
+            workers.join(0)  # raises with a worker's error, if one failed
+            if time.monotonic() >= deadline:
+                for process in workers.processes:
+                    process.kill()
+                raise TimeoutError(f"{name}: no figures within {timeout + seconds} s") from None
+    while not workers.join(max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in workers.processes:
+                process.kill()
+            raise TimeoutError(f"{name}: the workers did not exit")
+    return sum(used.values()) / seconds
+
+
+def summarize(name: str, world: int, cpu_per_second: float) -> str:
+    return (f"{name}: {world} idle workers use {cpu_per_second * 100:.1f}% of one CPU "
+            f"({cpu_per_second / world * 1e3:.2f} ms of CPU per second each)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--backends", default="torch,actorrpc")
+    args = parser.parse_args()
+    for name in args.backends.split(","):
+        print(summarize(name, args.world, measure(name, args.world, args.seconds)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""benchmarks/idle_cpu.py measures the CPU an idle group uses, from schedstat."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "idle_cpu.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+import idle_cpu  # noqa: E402
+
+
+def test_the_summary_reads_the_figure() -> None:
+    assert idle_cpu.summarize("actorrpc", 4, 0.05) == (
+        "actorrpc: 4 idle workers use 5.0% of one CPU (12.50 ms of CPU per second each)"
+    )
+
+
+def test_a_threads_cpu_time_is_read_exactly_and_grows_with_work() -> None:
+    before = idle_cpu.threads_cpu_seconds()
+    end = time.thread_time() + 0.02
+    while time.thread_time() < end:
+        pass
+    assert idle_cpu.threads_cpu_seconds() - before >= 0.02
+
+
+def test_an_idle_group_is_measured() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--world", "2", "--seconds", "1", "--backends", "actorrpc"],
+        capture_output=True, text=True, timeout=110,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.fullmatch(r"actorrpc: 2 idle workers use [\d.]+% of one CPU "
+                        r"\([\d.]+ ms of CPU per second each\)\n", done.stdout), done.stdout
