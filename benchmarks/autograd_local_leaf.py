@@ -1,8 +1,8 @@
 """A distributed-autograd iteration whose loss also depends on a large local parameter:
 how long the backward pass takes when the caller has its own leaves to accumulate.
 
-    python benchmarks/autograd_local_leaf.py [--n 400] [--size 1024] [--no-pin]
-                                             [--tree PATH ...]
+    python benchmarks/autograd_local_leaf.py [--n 400] [--size 1024] [--rounds 1]
+                                             [--no-pin] [--timeout 300] [--tree PATH ...]
 
 Two spawned actorrpc workers (pinned, rank r to CPU r, one intra-op thread each).
 Rank 0 runs ``--n`` iterations of::
@@ -69,12 +69,13 @@ def _iteration_times(rpc: Any, dist_autograd: Any, n: int, size: int) -> list[fl
 def _worker(rank: int, tree: str, port: int, n: int, size: int, pin: bool, out: Any) -> None:
     sys.path.insert(0, tree)
     if pin:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % 2]})
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     torch.set_num_threads(1)  # (a pinned process with two intra-op threads waits on itself)
     import actorrpc as rpc
     import actorrpc.autograd as dist_autograd
 
-    if not rpc.__file__ or not rpc.__file__.startswith(tree):
+    if not rpc.__file__ or not Path(rpc.__file__).resolve().is_relative_to(tree):
         raise RuntimeError(f"imported actorrpc from {rpc.__file__}, not from {tree}")
     options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
@@ -121,14 +122,15 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=1, help="runs per tree, interleaved")
     parser.add_argument("--no-pin", action="store_true")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--tree", action="append", default=[],
                         help="another checkout's root; repeatable (default: this one)")
     args = parser.parse_args()
     trees = [str(Path(t).resolve()) for t in args.tree] or [HERE_TREE]
     for _ in range(args.rounds):
         for tree in trees:
-            print(f"{tree}: {summarize(run_once(tree, args.n, args.size, not args.no_pin))}",
-                  flush=True)
+            times = run_once(tree, args.n, args.size, not args.no_pin, args.timeout)
+            print(f"{tree}: {summarize(times)}", flush=True)
 
 
 if __name__ == "__main__":

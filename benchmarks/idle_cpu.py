@@ -1,13 +1,14 @@
 """CPU that idle workers use, side by side: what a group costs while nobody calls.
 
     python benchmarks/idle_cpu.py [--world 2] [--seconds 8] [--backends torch,actorrpc]
+                                  [--timeout 120]
 
 For each backend, ``--world`` spawned workers start a group, make one all-to-all round
 of ``rpc_async`` calls (so every connection exists), wait a second, then sit idle for
-``--seconds`` while each measures the CPU time all its threads ran (the first field of
-``/proc/self/task/*/schedstat``, in ns: exact, unlike the tick-sampled ``utime``).
-Prints, per backend, the idle CPU of the whole group (% of one CPU) and per worker (ms
-of CPU per second). Linux only (``/proc``).
+``--seconds`` while each measures the CPU time its threads ran
+(``time.process_time``: the scheduler's own count, in ns, threads that ended included;
+not the tick-sampled ``utime``). Prints, per backend, the idle CPU of the whole group
+(% of one CPU) and per worker (ms of CPU per second).
 
 On these 2-vCPU VMs every sleep-and-wake of a thread costs ~0.2 ms of CPU (a bare
 ``time.sleep(0.05)`` loop: 227 µs per wake-up), so an idle worker's CPU is mostly its
@@ -18,7 +19,6 @@ in docs/performance.md.
 from __future__ import annotations
 
 import argparse
-import os
 import queue
 import time
 from typing import Any
@@ -35,18 +35,6 @@ def noop() -> None:
     return None
 
 
-def threads_cpu_seconds() -> float:
-    """CPU time all of this process's threads ran so far (threads that ended excluded)."""
-    total = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as handle:
-                total += int(handle.read().split()[0])
-        except (OSError, ValueError):
-            continue  # it ended meanwhile
-    return total / 1e9
-
-
 def _worker(rank: int, name: str, world: int, port: int, seconds: float, out: Any) -> None:
     backend = Backend(name, port)
     rpc = backend.rpc
@@ -57,9 +45,9 @@ def _worker(rank: int, name: str, world: int, port: int, seconds: float, out: An
         for call in calls:
             call.wait()
         time.sleep(1.0)  # (the round's after-effects: rides, releases, back-offs)
-        began = threads_cpu_seconds()
+        began = time.process_time()
         time.sleep(seconds)
-        out.put((rank, threads_cpu_seconds() - began))
+        out.put((rank, time.process_time() - began))
     finally:
         rpc.shutdown()
 
@@ -99,9 +87,11 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--backends", default="torch,actorrpc")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per backend")
     args = parser.parse_args()
     for name in args.backends.split(","):
-        print(summarize(name, args.world, measure(name, args.world, args.seconds)), flush=True)
+        used = measure(name, args.world, args.seconds, args.timeout)
+        print(summarize(name, args.world, used), flush=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ def test_the_summary_reads_the_times() -> None:
 def test_iterations_run_between_two_workers_of_the_named_tree() -> None:
     tree = str(SCRIPT.parents[1])
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--n", "10", "--size", "64", "--no-pin", "--tree", tree],
+        [sys.executable, str(SCRIPT), "--n", "10", "--size", "64", "--no-pin", "--timeout", "60",
+         "--tree", tree],
         capture_output=True, text=True, timeout=110,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -38,7 +39,7 @@ def test_a_tree_without_actorrpc_is_refused_rather_than_measuring_another(
 ) -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--n", "10", "--size", "64", "--no-pin",
-         "--tree", str(tmp_path)],
+         "--timeout", "60", "--tree", str(tmp_path)],
         capture_output=True, text=True, timeout=110,
     )
     assert done.returncode != 0

@@ -1,11 +1,10 @@
-"""benchmarks/idle_cpu.py measures the CPU an idle group uses, from schedstat."""
+"""benchmarks/idle_cpu.py measures the CPU an idle group uses."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,17 +23,10 @@ def test_the_summary_reads_the_figure() -> None:
     )
 
 
-def test_a_threads_cpu_time_is_read_exactly_and_grows_with_work() -> None:
-    before = idle_cpu.threads_cpu_seconds()
-    end = time.thread_time() + 0.02
-    while time.thread_time() < end:
-        pass
-    assert idle_cpu.threads_cpu_seconds() - before >= 0.02
-
-
 def test_an_idle_group_is_measured() -> None:
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--world", "2", "--seconds", "1", "--backends", "actorrpc"],
+        [sys.executable, str(SCRIPT), "--world", "2", "--seconds", "1", "--backends", "actorrpc",
+         "--timeout", "60"],
         capture_output=True, text=True, timeout=110,
     )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -294,13 +294,44 @@ def test_a_link_offers_its_ring_once_some_messages_went_by_socket(
     _switch_after(link, receiver, 8, 40)
 
 
-def test_a_link_made_after_its_messages_offers_at_once_and_only_once(pair) -> None:
+def test_an_offer_due_after_messages_already_sent_goes_at_once_and_only_once(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorrpc.transport import _zmq
+
+    monkeypatch.setattr(_zmq, "RING_AFTER_MESSAGES", 100)
     sender, receiver = pair
     link = sender.link(b"1:receiver", receiver.endpoint)
+    for i in range(3):
+        link.send([b"AR-header", b"%d" % i])
+    assert link._offered is None and link._ring_after == 100
+    link.offer_ring(after_messages=3)  # three went already: now
     offered = link._offered
-    assert offered is not None
-    link.offer_ring(after_messages=3)  # (already offered: nothing more)
+    assert offered is not None and link._ring_after is None
+    link.offer_ring(after_messages=1)  # (offered: nothing more)
     assert link._offered is offered and link._ring_after is None
+
+
+def test_a_new_link_to_a_peer_that_reads_the_old_ring_offers_before_its_messages(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the old link's ring still holds is delivered before anything the new link
+    sends: the receiver empties the old ring when the new offer comes, so that offer
+    goes first, however many messages a new link otherwise sends before offering."""
+    from actorrpc.transport import _zmq
+
+    sender, receiver = pair
+    old = _switched(sender, receiver)
+    old.send([b"AR-header", b"old ring"])  # not received yet
+    monkeypatch.setattr(_zmq, "RING_AFTER_MESSAGES", 8)
+    sender.drop_link(b"1:receiver")
+    new = sender.link(b"1:receiver", receiver.endpoint)
+    assert new is not old and new._offered is not None
+    new.send([b"AR-header", b"new link"])
+    received: list[list[object]] = []
+    assert wait_until(lambda: (received.extend(receiver.receive(0.05)), len(received))[1] == 2,
+                      timeout=20)
+    assert [bytes(m[2].buffer) for m in received] == [b"old ring", b"new link"]  # type: ignore[attr-defined]
 
 
 def _switched(sender: Transport, receiver: Transport):

@@ -114,9 +114,9 @@ class ZmqRpcBackendOptions:
         same_host_rings: messages to a worker on the same host (x86-64 Linux)
             go through a shared-memory ring that the receiving thread reads
             directly, instead of through both workers' libzmq I/O threads and
-            TCP (``transport._ring``); the connection itself, its authentication
-            and peers on other hosts keep using the sockets. Default on;
-            ``ACTORRPC_RINGS=0`` turns it off.
+            TCP (``transport._ring``), once the link has carried 8 messages; the
+            connection itself, its authentication and peers on other hosts keep
+            using the sockets. Default on; ``ACTORRPC_RINGS=0`` turns it off.
         hold_remote_calls: ``remote()`` holds its request until the calling
             thread's next call, so that a ``to_here()`` right after goes with it
             (one request and its answer instead of four messages; see

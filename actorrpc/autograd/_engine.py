@@ -293,7 +293,9 @@ class AutogradEngine:
 
         Returns the futures of the messages sent, and the gradients owed to
         ``reply_to`` (the worker whose request this pass serves), which go back
-        in the reply instead of in a message of their own.
+        in the reply instead of in a message of their own. The messages leave
+        before this worker's leaves take their gradients; an error there comes
+        back as one more (failed) future, reported once the messages are answered.
         """
         ctx.claim(start, pass_id, retain_graph)
         inputs: list[Any] = list(reach.leaves)

@@ -21,7 +21,8 @@ Invariants:
   the switch (``RingReader.socket_seen``), and its records and spills in
   sequence order, so the two paths keep one order.
 * A new offer from a peer whose ring is read (a new link of the same worker)
-  first delivers what the old ring holds.
+  first delivers what the old ring holds; a new link offers before its first
+  message (``Transport.link``), so nothing it sends overtakes the old ring.
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ _COPY_THRESHOLD = 65536  # memoryview frames at least this big are sent zero-cop
 # A same-host link offers its ring once this many messages went by socket: a ring costs
 # a segment and a mapping on both ends (~0.3 ms of CPU in all), which a link that carries
 # a message or two (one call to each of 31 peers) never earns back; 0 offers at once.
+# (A link that replaces an earlier one to the same peer offers at once: ``Transport.link``.)
 RING_AFTER_MESSAGES = 8
 _log = logging.getLogger("actorrpc.transport")
 _thread_name_prefixes = itertools.count(1)  # one per transport (ZMQ_THREAD_NAME_PREFIX)
@@ -294,6 +295,10 @@ class Transport:
         self._authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
         self._links: dict[bytes, PeerLink] = {}
         self._links_lock = threading.Lock()
+        # peers linked to before: a new link's ring is offered at once (the peer may still
+        # read the old link's ring, and empties it when the new offer comes: the offer
+        # must come before the new link's messages, see ``_ring_inbox``)
+        self._linked: set[bytes] = set()
         try:
             self._inbox = self._context.socket(zmq.ROUTER)
             self._inbox.setsockopt(zmq.LINGER, 0)
@@ -389,8 +394,10 @@ class Transport:
                 link.close()
             link = PeerLink(socket, endpoint, self.socket_activity)
             self._links[peer] = link
+            relinked = peer in self._linked
+            self._linked.add(peer)
         if self._rings and peer != self._identity and _host(endpoint) == _host(self.endpoint):
-            link.offer_ring(after_messages=RING_AFTER_MESSAGES)
+            link.offer_ring(after_messages=0 if relinked else RING_AFTER_MESSAGES)
         return link
 
     def drop_link(self, peer: bytes) -> None:
