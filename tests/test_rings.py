@@ -392,11 +392,11 @@ def test_a_socket_message_ends_a_blocked_receive_of_a_ring_reader_every_time(
 ) -> None:
     # the blocking poll asks ZMQ_EVENTS itself (taking the inbox FD's signal): the socket
     # must be asked again after it, not trusted to signal (transport._socket_has_message)
-    from actorrpc.transport import _zmq
+    from actorrpc.transport import _link, _zmq
 
     sender, receiver = pair
     link = _switched(sender, receiver)
-    monkeypatch.setattr(_zmq, "_SEND_THROUGH_RINGS", False)  # by socket from now on
+    monkeypatch.setattr(_link, "_SEND_THROUGH_RINGS", False)  # by socket from now on
     real_poll = _zmq._zmq_poll
 
     def receive_while_sending(payload: bytes) -> list[list[object]]:

@@ -232,11 +232,11 @@ def test_a_yield_that_gives_the_core_away_stops_polling_for_a_while(
 def test_the_inbox_socket_is_asked_only_when_its_fd_signals(
     pair, monkeypatch: pytest.MonkeyPatch, gated: bool
 ) -> None:
-    from actorrpc.transport import _zmq
+    from actorrpc.transport import _link, _zmq
 
     sender, receiver = pair
     monkeypatch.setattr(_zmq, "_FD_GATED_EVENTS", gated)
-    monkeypatch.setattr(_zmq, "_SEND_THROUGH_RINGS", False)  # every message by socket
+    monkeypatch.setattr(_link, "_SEND_THROUGH_RINGS", False)  # every message by socket
     link = sender.link(b"1:receiver", receiver.endpoint)
     link.send([b"H" * 20, b"warm-up"])  # the connection is up
     assert len(_receive(receiver, 1)) == 1
@@ -268,9 +268,9 @@ def test_bursts_from_many_threads_all_arrive_through_busy_polls(
 ) -> None:
     # every look at the socket goes through the FD gate here (short busy polls, receives
     # that never block for long): a lost FD signal would leave messages behind
-    from actorrpc.transport import _zmq
+    from actorrpc.transport import _link
 
-    monkeypatch.setattr(_zmq, "_SEND_THROUGH_RINGS", False)  # every message by socket
+    monkeypatch.setattr(_link, "_SEND_THROUGH_RINGS", False)  # every message by socket
     sender, receiver = pair
     link = sender.link(b"1:receiver", receiver.endpoint)
     per_thread, threads = 400, 4

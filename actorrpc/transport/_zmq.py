@@ -1,5 +1,5 @@
-"""ZeroMQ sockets: with ``_security`` (their authentication), the only modules of actorrpc
-that touch ZeroMQ.
+"""ZeroMQ sockets: with ``_link`` (a DEALER to one peer) and ``_security`` (their
+authentication), the only modules of actorrpc that touch ZeroMQ.
 
 Invariants:
 
@@ -28,15 +28,23 @@ import os
 import select
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import zmq
 import zmq.auth.thread  # (the type of the authenticator)
 
-from ..errors import ActorRpcError, InvalidArgumentError, PeerUnreachableError, ProtocolError
-from ._ring import RingWriter, full_fence, rings_supported
-from ._ring_inbox import RING_ACCEPT, RING_OFFER, RingInbox
+from ..errors import ActorRpcError, InvalidArgumentError, PeerUnreachableError
+from ._link import (
+    _EVENTS,
+    _NOBLOCK,
+    _POLLIN,
+    PeerLink,
+    _monotonic,
+    _socket_get,
+    _socket_recv,
+)
+from ._ring import full_fence, rings_supported
+from ._ring_inbox import RingInbox
 from ._security import configure_client, configure_server
 from ._spin import SocketActivity, SpinGate
 
@@ -49,10 +57,6 @@ _CONTROL = b"!"  # transport control messages start with it (``_ring_inbox``)
 # False: ask ZMQ_EVENTS on every look at the inbox socket, not only when its FD signals
 # (see ``Transport._socket_has_message``): a same-run A/B switch
 _FD_GATED_EVENTS = True
-# False: links whose ring is in use send every message as a spill, by socket (in order
-# with the ring all the same): a same-run A/B switch (benchmarks/ab_switch.py)
-_SEND_THROUGH_RINGS = True
-_COPY_THRESHOLD = 65536  # memoryview frames at least this big are sent zero-copy
 # A same-host link offers its ring once this many messages went by socket: a ring costs
 # a segment and a mapping on both ends (~0.3 ms of CPU in all), which a link that carries
 # a message or two (one call to each of 31 peers) never earns back; 0 offers at once.
@@ -62,18 +66,7 @@ _log = logging.getLogger("actorrpc.transport")
 _thread_name_prefixes = itertools.count(1)  # one per transport (ZMQ_THREAD_NAME_PREFIX)
 _THREAD_NAME_PREFIX = int(getattr(zmq, "THREAD_NAME_PREFIX", 9))  # ZMQ_THREAD_NAME_PREFIX
 
-# The per-message path calls the socket methods of pyzmq's compiled base class
-# with plain-int flags: its pure-Python wrappers (and the enum arithmetic on
-# their flags) cost more than the system calls for small messages.
-_socket_send = zmq.backend.Socket.send
-_socket_recv = zmq.backend.Socket.recv
-_socket_get = zmq.backend.Socket.get
 _zmq_poll = zmq.backend.zmq_poll
-_SNDMORE = int(zmq.SNDMORE)
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-_NOBLOCK = int(zmq.NOBLOCK)
-_monotonic = time.monotonic
 # gives the core to any other runnable thread, without the GIL (time.sleep(0) where absent)
 _sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 # A yield that took longer gave the core away for a time slice: another process's thread
@@ -112,131 +105,6 @@ def _thread_name(tid: int) -> str:
             return handle.read().strip()
     except OSError:
         return ""  # the thread ended
-
-
-class PeerLink:
-    """A DEALER socket connected to one peer's inbox, safe to share between threads."""
-
-    def __init__(self, socket: zmq.Socket[Any], endpoint: str,
-                 activity: SocketActivity | None = None) -> None:
-        self._socket = socket
-        self._activity = activity or SocketActivity()
-        self._lock = threading.Lock()
-        self.endpoint = endpoint
-        self.closed = False
-        self.ring: RingWriter | None = None  # in use: every message goes through it
-        self._offered: RingWriter | None = None  # offered, not accepted yet
-        # messages sent by socket since the offer (before one: since the link was made)
-        self._sent_since_offer = 0
-        self._ring_after: int | None = None  # offer a ring at that count (None: not due)
-
-    def send(self, frames: Sequence[Any]) -> None:
-        """Send one multipart message; memoryview frames of 64 KiB or more go zero-copy.
-
-        Through the same-host ring once the peer accepted it (see ``_ring``).
-        """
-        last = len(frames) - 1
-        socket = self._socket
-        with self._lock:
-            if self.closed:
-                raise PeerUnreachableError(f"link to {self.endpoint} is closed")
-            ring = self.ring
-            if ring is None and self._offered is not None:
-                ring = self._answer_to_offer()
-            if ring is not None:
-                if _SEND_THROUGH_RINGS and ring.write(frames):
-                    return
-                frames = ring.spill_frames(frames)  # no room: by socket, in its turn
-                last = len(frames) - 1
-            self._activity.at = _monotonic()
-            try:
-                for index, frame in enumerate(frames):
-                    flags = _SNDMORE if index < last else 0
-                    if type(frame) is bytes:
-                        _socket_send(socket, frame, flags)
-                    else:
-                        big = isinstance(frame, memoryview) and frame.nbytes >= _COPY_THRESHOLD
-                        _socket_send(socket, frame, flags, not big)
-            except zmq.Again as exc:
-                if ring is not None:
-                    ring.take_back_spill()
-                raise PeerUnreachableError(
-                    f"peer at {self.endpoint} did not accept a message in time "
-                    "(it is not reading, or the connection is down)"
-                ) from exc
-            except zmq.ZMQError as exc:
-                if ring is not None:
-                    ring.take_back_spill()
-                raise PeerUnreachableError(f"sending to {self.endpoint} failed: {exc}") from exc
-            self._activity.at = _monotonic()  # (again: a send may block, or go on in libzmq)
-            if ring is None:
-                self._sent_since_offer += 1
-                if self._ring_after is not None and self._sent_since_offer >= self._ring_after:
-                    self._offer_ring()
-
-    def offer_ring(self, after_messages: int = 0) -> None:
-        """Offer the peer a ring for this link's messages (see ``_ring_inbox``), once
-        ``after_messages`` messages went by socket (at once if they did)."""
-        with self._lock:
-            if self._sent_since_offer >= after_messages:
-                self._offer_ring()
-            elif self.ring is None and self._offered is None:
-                self._ring_after = after_messages
-
-    def _offer_ring(self) -> None:
-        """(Under the lock.) Offer a ring now, unless one is in use or offered already."""
-        self._ring_after = None
-        if self.closed or self.ring is not None or self._offered is not None:
-            return
-        try:
-            ring = RingWriter()
-        except OSError:
-            return  # no shared memory now: the socket it is
-        try:
-            _socket_send(self._socket, RING_OFFER, _SNDMORE)
-            _socket_send(self._socket, ring.name.encode(), 0)
-        except zmq.ZMQError:
-            ring.close()
-            return
-        self._offered, self._sent_since_offer = ring, 0
-
-    def _answer_to_offer(self) -> RingWriter | None:
-        """(Under the lock.) The ring to use from now on, if the peer accepted it."""
-        offered = self._offered
-        assert offered is not None
-        socket = self._socket
-        try:
-            if not int(_socket_get(socket, _EVENTS)) & _POLLIN:
-                return None  # no answer yet
-            answer = [_socket_recv(socket, _NOBLOCK, True)]
-            while socket.rcvmore:
-                answer.append(_socket_recv(socket, _NOBLOCK, True))
-        except zmq.ZMQError:
-            return None
-        self._offered = None
-        if len(answer) == 3 and answer[:2] == [RING_ACCEPT, offered.name.encode()]:
-            try:
-                offered.start(answer[2].decode("ascii", "replace"), self._sent_since_offer)
-                self.ring = offered
-                return offered
-            except (OSError, ProtocolError) as exc:
-                _log.warning("could not start the ring to %s: %s", self.endpoint, exc)
-        offered.close()  # refused (or a malformed answer): the socket it is
-        return None
-
-    def close(self, linger: float = 0.0) -> None:
-        """Close the socket; messages still queued get up to ``linger`` seconds to leave.
-
-        Messages in a ring stay readable: the reader's mapping outlives the writer's.
-        """
-        with self._lock:
-            if not self.closed:
-                self.closed = True
-                self._socket.close(linger=int(linger * 1000))
-                for ring in (self.ring, self._offered):
-                    if ring is not None:
-                        ring.close()
-                self.ring = self._offered = None
 
 
 class Transport:
