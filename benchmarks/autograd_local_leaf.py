@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import statistics
 import sys
 import time
@@ -37,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
-from _common import free_port, percentile
+from _common import Session, percentile
 
 HERE_TREE = str(Path(__file__).resolve().parents[1])
 
@@ -66,48 +64,45 @@ def _iteration_times(rpc: Any, dist_autograd: Any, n: int, size: int) -> list[fl
     return times
 
 
-def _worker(rank: int, tree: str, port: int, n: int, size: int, pin: bool, out: Any) -> None:
-    sys.path.insert(0, tree)
-    if pin:
-        cpus = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-    torch.set_num_threads(1)  # (a pinned process with two intra-op threads waits on itself)
-    import actorrpc as rpc
-    import actorrpc.autograd as dist_autograd
-
-    if not rpc.__file__ or not Path(rpc.__file__).resolve().is_relative_to(tree):
-        raise RuntimeError(f"imported actorrpc from {rpc.__file__}, not from {tree}")
-    options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+def _worker(rank: int, world_size: int, port: int, out: Any, barrier: Any, tree: str, n: int,
+            size: int, pin: bool) -> None:
+    """Spawned process (``_common.Session``): rank 0 reports ``("times", [...])``; a
+    failure is reported as ``("fatal", message)`` too."""
     try:
-        if rank == 0:
-            out.put(_iteration_times(rpc, dist_autograd, n, size))
-    finally:
-        rpc.shutdown()
+        sys.path.insert(0, tree)
+        if pin:
+            cpus = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+        torch.set_num_threads(1)  # (a pinned process with two intra-op threads waits on itself)
+        import actorrpc as rpc
+        import actorrpc.autograd as dist_autograd
+
+        if not rpc.__file__ or not Path(rpc.__file__).resolve().is_relative_to(tree):
+            raise RuntimeError(f"imported actorrpc from {rpc.__file__}, not from {tree}")
+        options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=options)
+        try:
+            if rank == 0:
+                out.put(("times", _iteration_times(rpc, dist_autograd, n, size)))
+        finally:
+            rpc.shutdown()
+    except BaseException as exc:
+        out.put(("fatal", f"rank {rank}: {type(exc).__name__}: {exc}"))
+        raise
 
 
 def run_once(tree: str, n: int, size: int, pin: bool, timeout: float = 300.0) -> list[float]:
     """Iteration times (s) of one fresh pair of workers on ``tree``'s actorrpc."""
-    out = mp.get_context("spawn").Queue()
-    workers = mp.start_processes(_worker, args=(tree, free_port(), n, size, pin, out),
-                                 nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            times: list[float] = out.get(timeout=0.5)
-            break
-        except queue.Empty:
-            workers.join(0)  # raises with a worker's error, if one failed
-            if time.monotonic() >= deadline:
-                for process in workers.processes:
-                    process.kill()
-                raise TimeoutError(f"no result from the workers within {timeout} s") from None
-    while not workers.join(max(0.1, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for process in workers.processes:
-                process.kill()
-            raise TimeoutError(f"the workers did not exit within {timeout} s")
-    return times
+    session = Session(_worker, 2, (tree, n, size, pin))
+    session.start()
+    try:
+        kind, value = session.get(timeout)  # SessionError on a timeout
+    finally:
+        session.close(grace=10.0)
+    if kind == "fatal":
+        raise RuntimeError(value)
+    return value  # type: ignore[no-any-return]
 
 
 def summarize(times: list[float]) -> str:

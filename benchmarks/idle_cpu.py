@@ -19,12 +19,10 @@ in docs/performance.md.
 from __future__ import annotations
 
 import argparse
-import queue
 import time
 from typing import Any
 
-import torch.multiprocessing as mp
-from _common import ensure_repo_on_path, free_port
+from _common import Session, ensure_repo_on_path
 
 ensure_repo_on_path()
 
@@ -35,45 +33,45 @@ def noop() -> None:
     return None
 
 
-def _worker(rank: int, name: str, world: int, port: int, seconds: float, out: Any) -> None:
-    backend = Backend(name, port)
-    rpc = backend.rpc
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world,
-                 rpc_backend_options=backend.options)
+def _worker(rank: int, world_size: int, port: int, out: Any, barrier: Any, name: str,
+            seconds: float) -> None:
+    """Spawned process (``_common.Session``): reports ``("cpu", rank, seconds of CPU)``,
+    or ``("fatal", rank, message)``."""
     try:
-        calls = [rpc.rpc_async(f"worker{peer}", noop) for peer in range(world) if peer != rank]
-        for call in calls:
-            call.wait()
-        time.sleep(1.0)  # (the round's after-effects: rides, releases, back-offs)
-        began = time.process_time()
-        time.sleep(seconds)
-        out.put((rank, time.process_time() - began))
-    finally:
-        rpc.shutdown()
+        backend = Backend(name, port)
+        rpc = backend.rpc
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=backend.options)
+        try:
+            calls = [rpc.rpc_async(f"worker{peer}", noop)
+                     for peer in range(world_size) if peer != rank]
+            for call in calls:
+                call.wait()
+            time.sleep(1.0)  # (the round's after-effects: rides, releases, back-offs)
+            began = time.process_time()
+            time.sleep(seconds)
+            out.put(("cpu", rank, time.process_time() - began))
+        finally:
+            rpc.shutdown()
+    except BaseException as exc:
+        out.put(("fatal", rank, f"{type(exc).__name__}: {exc}"))
+        raise
 
 
 def measure(name: str, world: int, seconds: float, timeout: float = 120.0) -> float:
     """Seconds of CPU per second that the whole idle group of ``name`` used."""
-    out = mp.get_context("spawn").Queue()
-    workers = mp.start_processes(_worker, args=(name, world, free_port(), seconds, out),
-                                 nprocs=world, join=False, start_method="spawn")
+    session = Session(_worker, world, (name, seconds))
+    session.start()
     used: dict[int, float] = {}
     deadline = time.monotonic() + timeout + seconds
-    while len(used) < world:
-        try:
-            rank, cpu = out.get(timeout=0.5)
-            used[rank] = cpu
-        except queue.Empty:
-            workers.join(0)  # raises with a worker's error, if one failed
-            if time.monotonic() >= deadline:
-                for process in workers.processes:
-                    process.kill()
-                raise TimeoutError(f"{name}: no figures within {timeout + seconds} s") from None
-    while not workers.join(max(0.1, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for process in workers.processes:
-                process.kill()
-            raise TimeoutError(f"{name}: the workers did not exit")
+    try:
+        while len(used) < world:
+            kind, rank, value = session.get(deadline - time.monotonic())  # SessionError late
+            if kind == "fatal":
+                raise RuntimeError(f"{name}, rank {rank}: {value}")
+            used[rank] = value
+    finally:
+        session.close(grace=10.0)
     return sum(used.values()) / seconds
 
 
