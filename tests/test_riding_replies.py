@@ -24,6 +24,7 @@ import pytest
 import actorrpc as rpc
 from actorrpc.agent._pool import WorkerPool
 from actorrpc.agent._riders import REPLY_BATCH, REPLY_DELAY, RIDER_DELAY, Riders
+from actorrpc.agent._timed_work import QuietWatch
 from actorrpc.protocol import MessageKind, decode_riders
 
 from ._cluster import run_script
@@ -44,6 +45,12 @@ class _StubAgent:
         self.stats = SimpleNamespace(bytes_out=collections.Counter())
         self.inbox = SimpleNamespace(wake_io_by=lambda when, _: self.wake_requests.append(when))
         self.riders: Riders | None = None
+        self.quiet = QuietWatch()
+        self.nudges = 0
+        self._transport = SimpleNamespace(nudge=self._nudge)
+
+    def _nudge(self) -> None:
+        self.nudges += 1
 
     def wake_inbox(self) -> None:
         pass
@@ -81,6 +88,15 @@ def test_a_queued_reply_is_due_after_reply_delay_and_the_io_thread_is_told() -> 
     assert agent.carriers == [1] and not riders.queued
     assert riders.seconds_to_due(time.monotonic()) is None
     assert riders.describe()["replies_deferred"] == 2
+
+
+def test_a_notification_nudges_the_io_thread_only_while_it_waits_quietly() -> None:
+    agent, riders = _riders()
+    riders.add(2, MessageKind.RREF_USER_DELETE, (1, 2))
+    assert agent.nudges == 0  # it looks at its timed work every 50 ms anyway
+    agent.quiet.waiting = True  # (``_timed_work.QuietWatch``: it may wait a second)
+    riders.add(2, MessageKind.RREF_USER_DELETE, (3, 4))
+    assert agent.nudges == 1
 
 
 def test_a_reply_makes_queued_notifications_leave_sooner() -> None:

@@ -72,6 +72,7 @@ from ._rendezvous import GroupMember, Rendezvous, choose_addresses
 from ._riders import Riders
 from ._shared_buffers import SharedBuffers
 from ._shutdown import graceful_barriers, leave, stop_threads, wait_until
+from ._timed_work import QuietWatch
 from ._worker_info import WorkerInfo
 
 __all__ = [
@@ -172,6 +173,7 @@ class Agent(MessageDispatcher):
         self._suppressed_warnings = 0
         self.extensions: dict[str, Any] = {}
         self.inbox = InboxTurns()
+        self.quiet = QuietWatch()
         self.riders = Riders(self)
         self.deferred_riders = DeferredRiderQueue()
         self.held = HeldRequests(self, options.hold_remote_calls)
@@ -247,6 +249,8 @@ class Agent(MessageDispatcher):
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the I/O thread soon; safe from ``__del__`` and any thread."""
         self._soon.put((fn, args))
+        if self.quiet.waiting:
+            self._transport.nudge()
 
     def notify_soon(self, rank: int, kind: MessageKind, payload: Any) -> None:
         """Send a notification to ``rank`` on the next message to it (kinds registered with
@@ -260,6 +264,8 @@ class Agent(MessageDispatcher):
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on a pool thread (work that computes: never on the I/O thread)."""
         self._pool.submit(fn, *args)
+        if self.quiet.waiting:
+            self._transport.nudge()
 
     def add_call_hook(self, hook: CallHook) -> None:
         self._hooks.append(hook)
@@ -420,6 +426,8 @@ class Agent(MessageDispatcher):
         )
         if timeout > 0:
             self._deadlines.add(time.monotonic() + timeout, message_id)
+        if self.quiet.waiting:  # (its deadline and liveness are the I/O thread's timed work)
+            self._transport.nudge()
         traced = self.tracer.enabled  # recorded before sending: the reply may come first
         if traced:
             self.tracer.call_sent(message_id, dest.id, description or kind.name,

@@ -2,8 +2,9 @@
 
 Callers add entries from any thread; only the I/O thread takes due ones.
 Answered calls leave their entries behind (removing from the middle of a heap
-is costly), so the heap is rebuilt without them once it holds many more
-entries than there are pending calls: no full-GC pauses from a heap that
+is costly): those that reach its top are dropped whenever the I/O thread asks for
+the next deadline, and the heap is rebuilt without the others once it holds many
+more entries than there are pending calls: no full-GC pauses from a heap that
 grows with every call.
 """
 
@@ -32,9 +33,15 @@ class Deadlines:
         with self._lock:
             heapq.heappush(self._heap, (when, message_id))
 
-    def seconds_to_next(self, now: float) -> float | None:
-        """Seconds until the earliest deadline (maybe an answered call's), None if none."""
+    def seconds_to_next(self, now: float, pending: dict[int, Any]) -> float | None:
+        """Seconds until the earliest deadline of a call still ``pending``, None if none
+        (answered calls' entries at the top are dropped: an idle worker's I/O thread
+        would otherwise wake for each of them)."""
         heap = self._heap
+        while heap and heap[0][1] not in pending:
+            with self._lock:
+                if heap and heap[0][1] not in pending:
+                    heapq.heappop(heap)
         return heap[0][0] - now if heap else None
 
     def due(self, now: float, pending: dict[int, Any]) -> list[int]:

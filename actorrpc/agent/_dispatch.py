@@ -75,6 +75,7 @@ _log = logging.getLogger("actorrpc.agent")
 # (False: before it, as every other rider; a switch for same-run A/Bs, ab_switch.py)
 RIDERS_AFTER_CARRIER = True
 _WARN_INTERVAL = 5.0
+_PING = MessageKind.PING
 _CALL_KINDS = frozenset(
     {MessageKind.CALL, MessageKind.REMOTE_CALL, MessageKind.REMOTE_CALL_FETCH}
 )
@@ -469,8 +470,10 @@ class MessageDispatcher(ReplySettling):
             self.warn(f"dropped a request from rank {sender_rank}: it is no longer a member")
             self._serve_riders(sender_rank, later)
             return
-        if message_id and self.inbox.probing:
-            self.inbox.stay()  # a request waited while nobody received
+        # a request waited while nobody received (not a peer's liveness PING: it says
+        # nothing of requests to come)
+        if message_id and self.inbox.probing and kind != _PING:
+            self.inbox.stay()
         with self._inflight_lock:
             self._inflight += 1
             if message_id:

@@ -78,7 +78,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..transport import SpinGate
-from ._timed_work import run_timed_work, seconds_to_timed_work
+from ._timed_work import MAX_POLL, run_timed_work, seconds_to_timed_work
 
 if TYPE_CHECKING:
     from ._agent import Agent
@@ -246,6 +246,7 @@ class InboxTurns:
                 pause = self.io_pause(now)
                 if pause > 0:
                     backed_off = True
+                    agent.quiet.interrupted()
                     run_timed_work(agent)
                     # while a waiter receives, look again every look period: its turn
                     # may end with nobody receiving (it does not wake this thread)
@@ -273,8 +274,14 @@ class InboxTurns:
                 try:
                     self._io_receiving, self._io_wakes_at = True, float("inf")
                     wait = 0.0 if self.probing else seconds_to_timed_work(agent)
-                    for message in self._io_receive(agent, wait):
-                        agent._on_message(message)
+                    if wait > MAX_POLL and agent.quiet.begin(agent):
+                        self._wait_quietly(agent, wait)
+                    else:
+                        messages = self._io_receive(agent, wait)
+                        if messages:
+                            agent.quiet.interrupted()
+                        for message in messages:
+                            agent._on_message(message)
                 finally:
                     self._io_receiving, self._io_wakes_at = False, 0.0
                     self.probing = False
@@ -304,6 +311,17 @@ class InboxTurns:
         messages = agent._transport.receive(wait, busy_until, False)
         self._io_flowing = bool(messages)
         return messages
+
+    def _wait_quietly(self, agent: Agent, wait: float) -> None:
+        """A quiet worker's I/O thread waits up to ``wait`` seconds for what may wake it
+        (``_timed_work.QuietWatch``), holding the inbox; it receives afterwards."""
+        self._io_wakes_at = time.monotonic() + wait
+        woken = True
+        try:
+            woken = agent._transport.wait_quietly(wait)
+        finally:
+            agent.quiet.end(woken)
+            self._io_flowing = False
 
     def wake_io_by(self, when: float, wake_receive: Callable[[], None]) -> None:
         """Make the I/O thread run its timed work by monotonic time ``when``.

@@ -181,6 +181,7 @@ def worker_snapshot(agent: Agent) -> dict[str, Any]:
         "busy_poll_spins": agent._transport.spins,
         "busy_poll_spins_stopped": agent._transport.spins_stopped,
         "io_flow_polls": agent.inbox.io_flow_polls,  # I/O thread receives that polled first
+        "quiet_waits": agent.quiet.long_waits,  # I/O thread waits of a quiet worker (long)
         # same-host rings: peers whose ring this worker reads, links sending through one,
         # messages received through rings
         "rings": {

@@ -82,6 +82,10 @@ class WorkerPool:
     def queued(self) -> int:
         return self._queue.qsize()
 
+    def all_idle(self) -> bool:
+        """No thread at work and nothing queued."""
+        return not self.busy and self._queue.empty()
+
     def has_queued(self) -> bool:
         return not self._queue.empty()
 

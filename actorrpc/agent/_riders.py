@@ -167,6 +167,9 @@ class Riders:
                 self._nested.append((rank, entry, now))
                 return
             self._changing(self._queue, rank, entry, now)
+        agent = self._agent
+        if agent.quiet.waiting:  # (its due time is the I/O thread's timed work)
+            agent._transport.nudge()
 
     def _changing(self, change: Callable[..., _T], *args: Any) -> _T:
         """``change(*args)`` with the lock, as a change of the tables: an :meth:`add` that

@@ -10,10 +10,79 @@ from ._pool import STALL_SECONDS
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["run_timed_work", "seconds_to_timed_work"]
+__all__ = [
+    "MAX_POLL", "QUIET_POLL", "QUIET_SECONDS", "QuietWatch", "run_timed_work",
+    "seconds_to_timed_work",
+]
 
-_MAX_POLL = 0.05
-"""Most seconds the I/O thread waits without looking at its timed work."""
+MAX_POLL = 0.05
+"""Most seconds the I/O thread waits without looking at its timed work, bar a quiet
+worker's (below)."""
+
+QUIET_SECONDS = 1.0
+"""How long a worker stays quiet (:class:`QuietWatch`) before its I/O thread waits longer."""
+
+QUIET_POLL = 1.0
+"""Most seconds a quiet worker's I/O thread waits. Each wake-up of a thread costs ~0.2 ms
+of CPU on these machines: an idle worker's I/O thread took ~8 ms/s looking every
+:data:`MAX_POLL` (docs/performance.md, twenty-sixth session)."""
+
+
+class QuietWatch:
+    """Whether a worker is quiet enough for its I/O thread's long wait, and whether it
+    waits so now (:attr:`waiting`).
+
+    Quiet: no call pending, no request being served, no pool thread at work, nothing
+    queued for the I/O thread or to ride on a message, no dead peer to check again; and
+    every look at the timed work for :data:`QUIET_SECONDS` found it so, with no message
+    received by the I/O thread nor a turn of another thread on the inbox in between.
+
+    Invariant (no lost wake-up): the I/O thread sets :attr:`waiting` before its last
+    look at what other threads queue (:meth:`begin`); they queue first, then read
+    :attr:`waiting` and, if set, nudge the transport (``Transport.nudge``, which
+    takes no lock: finalizers queue work too). What arrives by message wakes it anyway.
+    """
+
+    def __init__(self) -> None:
+        self.waiting = False
+        self._since = 0.0  # when the current quiet stretch began (0: not quiet)
+        self.long_waits = 0  # waits longer than MAX_POLL (statistics)
+
+    def interrupted(self) -> None:
+        """Something happened: the worker is not quiet."""
+        self._since = 0.0
+
+    def limit(self, agent: Agent, now: float) -> float:
+        """How long the I/O thread may wait as far as quiet goes."""
+        if not (_nothing_queued(agent) and agent._inflight == 0
+                and not agent.liveness.dead_peers):
+            self._since = 0.0
+            return MAX_POLL
+        if not self._since:
+            self._since = now
+        return QUIET_POLL if now - self._since >= QUIET_SECONDS else MAX_POLL
+
+    def begin(self, agent: Agent) -> bool:
+        """About to wait longer than :data:`MAX_POLL`: whether it may (nothing was
+        queued meanwhile); if so, :attr:`waiting` is set until :meth:`end`."""
+        self.waiting = True
+        if _nothing_queued(agent):
+            self.long_waits += 1
+            return True
+        self.waiting = False
+        self._since = 0.0
+        return False
+
+    def end(self, woken: bool) -> None:
+        self.waiting = False
+        if woken:
+            self._since = 0.0
+
+
+def _nothing_queued(agent: Agent) -> bool:
+    """No call pending, nothing queued for the I/O thread, the pool or a message."""
+    return (not agent._pending and agent._soon.empty() and not agent.riders.queued
+            and not agent.riders.waiting and agent._pool.all_idle())
 
 
 def run_timed_work(agent: Agent) -> None:
@@ -35,8 +104,8 @@ def run_timed_work(agent: Agent) -> None:
 
 def seconds_to_timed_work(agent: Agent) -> float:
     """How long the I/O thread may wait before :func:`run_timed_work` is due again."""
-    limit = _MAX_POLL if agent._pool.idle_or_empty() else STALL_SECONDS
     now = time.monotonic()
+    limit = agent.quiet.limit(agent, now) if agent._pool.idle_or_empty() else STALL_SECONDS
     riders_due = agent.riders.seconds_to_due(now)
     if riders_due is not None:
         limit = min(limit, max(0.0, riders_due))
@@ -46,5 +115,5 @@ def seconds_to_timed_work(agent: Agent) -> float:
     held_due = agent.held.seconds_to_due(now)
     if held_due is not None:
         limit = min(limit, held_due)
-    to_next = agent._deadlines.seconds_to_next(now)
+    to_next = agent._deadlines.seconds_to_next(now, agent._pending)
     return limit if to_next is None else max(0.0, min(limit, to_next))

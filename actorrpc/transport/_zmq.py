@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -167,6 +168,10 @@ class Transport:
         # read the old link's ring, and empties it when the new offer comes: the offer
         # must come before the new link's messages, see ``_ring_inbox``)
         self._linked: set[bytes] = set()
+        # the nudge (see :meth:`nudge`): a non-blocking pipe, written without a lock
+        self._nudge_fd, self._nudge_write_fd = os.pipe()
+        os.set_blocking(self._nudge_fd, False)
+        os.set_blocking(self._nudge_write_fd, False)
         try:
             self._inbox = self._context.socket(zmq.ROUTER)
             self._inbox.setsockopt(zmq.LINGER, 0)
@@ -492,6 +497,49 @@ class Transport:
             except zmq.ZMQError:
                 pass
 
+    def nudge(self) -> None:
+        """End a :meth:`wait_quietly` in progress or about to begin.
+
+        Unlike :meth:`wake` it takes no lock, so code that may run inside a
+        finalizer (which the collector runs on whichever thread allocates, in
+        the middle of anything, a lock's holder too) may call it.
+        """
+        try:
+            os.write(self._nudge_write_fd, b"\0")
+        except OSError:  # full (a nudge waits anyway), or closed
+            pass
+
+    def wait_quietly(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds, receiving nothing, until a message may wait
+        (socket or rings), a :meth:`wake` or a :meth:`nudge`; whether one came.
+
+        The caller receives afterwards. Nudges given before this call count too:
+        they wait in the pipe, drained here only after the answer is taken.
+        """
+        inbox = self._inbox
+        rings = self._ring_inbox
+        doorbell = rings.doorbell
+        # asleep and fenced before the last look at the rings, as a receive does
+        told = rings.fall_asleep() if doorbell is not None else ()
+        try:
+            items: list[tuple[Any, int]] = [(inbox, _POLLIN), (self._nudge_fd, _POLLIN)]
+            if doorbell is not None:
+                full_fence()
+                doorbell.drain()
+                if rings.any_ready():
+                    return True
+                items.append((doorbell.fd, _POLLIN))
+            self._socket_unsure = True  # (the poll may take the FD's signal)
+            came = bool(_zmq_poll(items, max(0, int(timeout * 1000))))
+        finally:
+            rings.wake_up(told)
+        try:
+            while len(os.read(self._nudge_fd, 4096)) == 4096:
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        return came
+
     def close(self, linger: float = 0.0) -> None:
         """Close every socket and terminate the ZeroMQ context.
 
@@ -512,3 +560,8 @@ class Transport:
             self._authenticator.stop()
             self._authenticator = None
         self._context.term()
+        fds, self._nudge_fd, self._nudge_write_fd = (self._nudge_fd, self._nudge_write_fd), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
