@@ -62,7 +62,8 @@ def _table(workers: list[dict[str, Any]]) -> str:
 def status(master_addr: str, master_port: int, timeout: float, as_json: bool) -> None:
     """Print a table of every worker's statistics (calls, bytes, RRefs, contexts, queues).
 
-    Workers publish their statistics to the rendezvous store every 2 seconds.
+    Workers publish their statistics to the rendezvous store every 2 seconds while they
+    change, and at least every 30 seconds ("age s": seconds since a worker's last).
     """
     try:
         workers = read_status(master_addr, master_port, timeout)

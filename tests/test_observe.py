@@ -117,3 +117,58 @@ def test_flow_arrows_with_one_end_are_dropped() -> None:
     call = {"ph": "X", "name": "add"}
     events = [call, flow("s", "0:1"), flow("f", "0:1"), flow("s", "0:2"), flow("f", "1:3")]
     assert _paired_flows(events) == [call, flow("s", "0:1"), flow("f", "0:1")]
+
+
+def test_status_is_published_when_it_changes_or_after_the_refresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+    from types import SimpleNamespace
+
+    from actorrpc.agent import _observe
+    from actorrpc.agent._timed_work import QuietWatch
+
+    from ._waiting import wait_until
+
+    state = {"calls": 0, "looks": 0}
+    published: list[dict[str, object]] = []
+
+    def snapshot(agent: object) -> dict[str, object]:
+        state["looks"] += 1
+        return {"calls_sent": state["calls"]}
+
+    monkeypatch.setattr(_observe, "STATUS_INTERVAL", 0.002)
+    monkeypatch.setattr(_observe, "worker_snapshot", snapshot)
+    class CountingEvent(threading.Event):
+        waits = 0
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.waits += 1
+            return super().wait(timeout)
+
+    agent = SimpleNamespace(rank=0, world_size=1, name="worker0", quiet=QuietWatch())
+    publisher = _observe.StatusPublisher(
+        agent, lambda rank, world, payload: published.append(json.loads(payload)),
+    )
+    publisher._stop = stop = CountingEvent()
+    publisher.start()
+    try:
+        assert wait_until(lambda: state["looks"] >= 20, 10)
+        assert [p["calls_sent"] for p in published] == [0]  # unchanged: written once
+        state["calls"] = 1
+        assert wait_until(lambda: len(published) == 2, 10)
+        assert published[1]["calls_sent"] == 1 and "published_at" in published[1]
+        # quiet since before its last look (QuietWatch): it does not even look
+        agent.quiet._since = 1.0
+        waits = stop.waits
+        assert wait_until(lambda: stop.waits >= waits + 2, 10)
+        looks, state["calls"] = state["looks"], 2
+        assert wait_until(lambda: stop.waits >= waits + 20, 10)
+        assert state["looks"] == looks and len(published) == 2
+        agent.quiet._since = 0.0  # not quiet any more
+        assert wait_until(lambda: len(published) == 3, 10)
+        assert published[2]["calls_sent"] == 2
+        monkeypatch.setattr(_observe, "STATUS_REFRESH", 0.0)  # unchanged, but old
+        assert wait_until(lambda: len(published) >= 5, 10)
+    finally:
+        publisher.stop()

@@ -24,9 +24,15 @@ if TYPE_CHECKING:
     from ._agent import Agent
 
 STATUS_INTERVAL = 2.0
+STATUS_REFRESH = 30.0
+"""Unchanged statistics are published again after this many seconds (``actorrpc status``
+shows their age): an idle worker does not write the store every :data:`STATUS_INTERVAL`."""
 _log = logging.getLogger("actorrpc.agent")
 
-__all__ = ["STATUS_INTERVAL", "StatusPublisher", "Tracer", "WorkerStats", "worker_snapshot"]
+__all__ = [
+    "STATUS_INTERVAL", "STATUS_REFRESH", "StatusPublisher", "Tracer", "WorkerStats",
+    "worker_snapshot",
+]
 
 
 class WorkerStats:
@@ -207,8 +213,9 @@ class StatusPublisher:
     """Publishes the worker's statistics to the rendezvous store for ``actorrpc status``.
 
     A daemon thread of its own (never the I/O thread: a store call may block
-    while the store's host is gone) writes ``actorrpc/status/<rank>`` every
-    :data:`STATUS_INTERVAL` seconds.
+    while the store's host is gone) looks every :data:`STATUS_INTERVAL` seconds and
+    writes ``actorrpc/status/<rank>`` when the statistics changed, or
+    :data:`STATUS_REFRESH` seconds after it last wrote them.
     """
 
     def __init__(self, agent: Agent, publish: Any) -> None:
@@ -223,11 +230,23 @@ class StatusPublisher:
         self._thread.start()
 
     def _run(self) -> None:
+        last, last_at, looked_at = None, float("-inf"), float("-inf")
         while not self._stop.is_set():
             try:
+                now = time.monotonic()
+                refresh = now - last_at >= STATUS_REFRESH
+                # quiet since before the last look: nothing to tell (nor to compute,
+                # ~0.3 ms of CPU on a cold core)
+                if not refresh and 0 < self._agent.quiet.quiet_since() <= looked_at:
+                    self._stop.wait(STATUS_INTERVAL)
+                    continue
+                looked_at = now
                 snapshot = worker_snapshot(self._agent)
-                snapshot["published_at"] = time.time()
-                self._publish(self._agent.rank, self._agent.world_size, json.dumps(snapshot))
+                if snapshot != last or refresh:
+                    published = {**snapshot, "published_at": time.time()}
+                    self._publish(self._agent.rank, self._agent.world_size,
+                                  json.dumps(published))
+                    last, last_at = snapshot, now
             except Exception as exc:  # noqa: BLE001 - status is best effort
                 _log.debug("status publishing failed: %s", exc)
             self._stop.wait(STATUS_INTERVAL)

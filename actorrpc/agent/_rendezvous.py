@@ -292,6 +292,7 @@ class Rendezvous:
                 f"{timeout:.0f}s: {type(exc).__name__}: {exc}"
             ) from exc
         self._root = store
+        self._status_world: int | None = None  # the world size last published for status
         generation = (int(store.add("actorrpc/inits", 1)) - 1) // world_size
         self.store: Any = dist.PrefixStore(f"actorrpc/{generation}/", store)
 
@@ -353,7 +354,9 @@ class Rendezvous:
         """Write this worker's status where ``actorrpc status`` reads it (the root key space)."""
         root = self._root
         if root is not None:
-            root.set("actorrpc/status/world", str(world_size))
+            if world_size != self._status_world:  # (once: one store round trip less)
+                root.set("actorrpc/status/world", str(world_size))
+                self._status_world = world_size
             root.set(f"actorrpc/status/{rank}", payload)
 
     def barrier(self, tag: str) -> StoreBarrier:

@@ -48,6 +48,10 @@ class QuietWatch:
         self._since = 0.0  # when the current quiet stretch began (0: not quiet)
         self.long_waits = 0  # waits longer than MAX_POLL (statistics)
 
+    def quiet_since(self) -> float:
+        """When the current quiet stretch began (monotonic time; 0: not quiet now)."""
+        return self._since
+
     def interrupted(self) -> None:
         """Something happened: the worker is not quiet."""
         self._since = 0.0
