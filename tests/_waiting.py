@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["wait_for", "wait_until"]
+__all__ = ["start_blocked", "wait_for", "wait_until"]
 
 
 def wait_until(condition: Callable[[], Any], timeout: float) -> bool:
@@ -45,3 +45,24 @@ def wait_for(condition: Callable[[], T], timeout: float, what: str) -> T:
     if not wait_until(holds, timeout):
         raise TimeoutError(f"gave up after {timeout}s waiting for: {what}")
     return found[-1]
+
+
+def start_blocked(monkeypatch: Any, target: Callable[[], T]) -> tuple[threading.Thread, list[T]]:
+    """Run ``target`` in a thread; return once that thread blocks in the transport's poll
+    (``transport._zmq._zmq_poll``, patched to tell): the thread, and ``target``'s result
+    once it is done."""
+    from actorrpc.transport import _zmq
+
+    blocking, real_poll = threading.Event(), _zmq._zmq_poll
+    result: list[T] = []
+    thread = threading.Thread(target=lambda: result.append(target()))
+
+    def poll(*args: Any) -> Any:
+        if threading.current_thread() is thread:  # (not a group's I/O thread in this process)
+            blocking.set()
+        return real_poll(*args)
+
+    monkeypatch.setattr(_zmq, "_zmq_poll", poll)
+    thread.start()
+    assert blocking.wait(10), "the thread did not block in the transport's poll"
+    return thread, result

@@ -22,6 +22,7 @@ from actorrpc.agent._inbox import (
     InboxTurns,
 )
 from actorrpc.errors import ActorRpcError, RpcTimeoutError
+from actorrpc.protocol import MessageKind
 
 from ._cluster import run_script
 from ._waiting import wait_until
@@ -656,3 +657,30 @@ def test_replies_for_a_thread_that_waits_without_turns_are_not_held_back(
     started = time.monotonic()
     assert torch.futures.wait_all([rpc.rpc_async("worker1", _plus_one, args=(3,))]) == [4]
     assert time.monotonic() - started < 0.05  # served at once, not after the back-off
+
+
+@pytest.mark.parametrize("kind", [MessageKind.PING, MessageKind.RREF_FETCH])
+def test_only_a_request_that_is_not_a_liveness_ping_makes_the_io_thread_stay(
+    kind: MessageKind,
+) -> None:
+    """A request that waited while nobody received keeps the I/O thread on the inbox for
+    a while (more may come); a peer's PING says nothing of that (a group's workers waiting
+    in shutdown() probe the others every second)."""
+    import threading as _threading
+    from collections import Counter
+
+    from actorrpc.agent._calls import HandlerEntry
+    from actorrpc.agent._dispatch import MessageDispatcher
+
+    served: list[MessageKind] = []
+    inbox = SimpleNamespace(probing=True, stays=0)
+    inbox.stay = lambda: setattr(inbox, "stays", inbox.stays + 1)
+    stub = SimpleNamespace(
+        _handlers={kind: HandlerEntry(lambda request: None, True, False)},
+        _infos={1: object()}, inbox=inbox, _inflight_lock=_threading.Lock(), _inflight=0,
+        _unstarted={}, stats=SimpleNamespace(requests_served=Counter()),
+        _serve=lambda kind, *rest: served.append(kind),
+    )
+    MessageDispatcher._on_request(stub, kind, 1, 7, [])  # type: ignore[arg-type]
+    assert served == [kind]
+    assert inbox.stays == (0 if kind == MessageKind.PING else 1)

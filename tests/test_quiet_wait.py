@@ -19,7 +19,7 @@ import pytest
 from actorrpc.agent._timed_work import MAX_POLL, QUIET_POLL, QUIET_SECONDS, QuietWatch
 
 from ._cluster import free_port, run_script
-from ._waiting import wait_until
+from ._waiting import start_blocked, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,15 +108,6 @@ def test_what_was_queued_after_the_last_look_cancels_the_long_wait() -> None:
 # -- the transport's quiet wait ---------------------------------------------------------------
 
 
-def _waiting_in_thread(
-    transport: Any, timeout: float = 30.0
-) -> tuple[threading.Thread, list[bool]]:
-    result: list[bool] = []
-    thread = threading.Thread(target=lambda: result.append(transport.wait_quietly(timeout)))
-    thread.start()
-    return thread, result
-
-
 def _ended(thread: threading.Thread) -> bool:
     thread.join(10)
     return not thread.is_alive()
@@ -129,9 +120,11 @@ def test_a_quiet_wait_times_out_without_a_message(pair) -> None:
 
 
 @pytest.mark.parametrize("wake", ["nudge", "wake"])
-def test_a_nudge_or_a_wake_from_another_thread_ends_a_quiet_wait(pair, wake: str) -> None:
+def test_a_nudge_or_a_wake_from_another_thread_ends_a_quiet_wait(
+    pair, wake: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _, receiver = pair
-    thread, result = _waiting_in_thread(receiver)
+    thread, result = start_blocked(monkeypatch, lambda: receiver.wait_quietly(30.0))
     getattr(receiver, wake)()
     assert _ended(thread) and result == [True]
 
@@ -144,9 +137,11 @@ def test_a_nudge_given_before_the_wait_ends_it_at_once_and_counts_once(pair) -> 
     assert receiver.wait_quietly(0.02) is False  # (both were drained)
 
 
-def test_a_message_ends_a_quiet_wait_and_is_received_afterwards(pair) -> None:
+def test_a_message_ends_a_quiet_wait_and_is_received_afterwards(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
     sender, receiver = pair
-    thread, result = _waiting_in_thread(receiver)
+    thread, result = start_blocked(monkeypatch, lambda: receiver.wait_quietly(30.0))
     sender.link(b"1:receiver", receiver.endpoint).send([b"AR-header", b"hello"])
     assert _ended(thread) and result == [True]
     assert wait_until(lambda: receiver.receive(0.01) != [], timeout=10)
@@ -157,7 +152,8 @@ def test_a_nudge_after_close_is_harmless() -> None:
 
     transport = Transport(b"0:closing", security="none")
     transport.close()
-    transport.nudge()
+    assert transport._nudge_fd == -1  # (the write end stays open: nothing else gets its number)
+    transport.nudge()  # (a pipe with no reader: EPIPE, ignored)
 
 
 # -- a real group whose I/O threads would wait 600 s ------------------------------------------
@@ -181,7 +177,14 @@ def options():
     return rpc.ZmqRpcBackendOptions(init_method=os.environ["INIT"], rpc_timeout=60)
 
 
-def peer(done, began):
+def watch_parent(parent):
+    while os.getppid() == parent:  # (a parent killed at a timeout leaves no worker behind)
+        threading.Event().wait(0.5)
+    os._exit(3)
+
+
+def peer(done, began, parent):
+    threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
     quiet()
     original = QuietWatch.begin
 
@@ -198,9 +201,10 @@ def peer(done, began):
 
 
 def waits_quietly(agent, what):
-    before = agent.quiet.long_waits
+    # (seen twice: ``waiting`` is set a moment before its last look, which may cancel it)
     deadline = time.monotonic() + 30
-    while not (agent.quiet.waiting and agent.quiet.long_waits > before):
+    while not (agent.quiet.waiting and not threading.Event().wait(0.005)
+               and agent.quiet.waiting):
         assert time.monotonic() < deadline, f"no quiet wait before {what}"
         threading.Event().wait(0.005)
 
@@ -218,7 +222,7 @@ if __name__ == "__main__":
     quiet()
     context = mp.get_context("spawn")
     done, began = context.Event(), context.Queue()
-    process = context.Process(target=peer, args=(done, began), daemon=True)
+    process = context.Process(target=peer, args=(done, began, os.getpid()), daemon=True)
     process.start()
     rpc.init_rpc("w0", rank=0, world_size=2, rpc_backend_options=options())
     agent = current_agent()

@@ -308,6 +308,26 @@ def test_a_finalizer_queueing_inside_a_change_loses_nothing_and_keeps_the_order(
     assert 2 not in riders._due and agent.carriers == []
 
 
+def test_a_finalizer_queueing_inside_another_change_nudges_a_quiet_io_thread() -> None:
+    agent, riders = _riders()
+    agent.quiet.waiting = True  # (a quiet wait: only a nudge ends it before a second)
+
+    def finalizer() -> None:  # (its add finds the change in progress: it returns at once)
+        riders.add(1, MessageKind.RREF_USER_DELETE, ("finalizer",))
+
+    riders.queued = _FinalizerInside(riders.queued, "pop", finalizer)
+    riders.drop(2)  # a change that is not an add (as describe() or put_back() are)
+    assert riders.queued[1] == [(_DELETE, 0, ("finalizer",))]
+    assert agent.nudges == 1
+
+
+def test_notifications_put_back_nudge_a_quiet_io_thread() -> None:
+    agent, riders = _riders()
+    agent.quiet.waiting = True
+    riders.put_back(1, [(_DELETE, 0, ("a",))])  # (no reply among them: no wake_io_by)
+    assert agent.wake_requests == [] and agent.nudges == 1
+
+
 def test_a_pool_thread_runs_before_wait_while_busy_before_it_blocks_and_exits() -> None:
     waits: list[tuple[bool, int]] = []
     ran = threading.Event()

@@ -26,7 +26,7 @@ from actorrpc.transport._ring import (
 )
 from actorrpc.transport._shared_memory import SHM_DIRECTORY
 
-from ._waiting import wait_until
+from ._waiting import start_blocked, wait_until
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -360,23 +360,10 @@ def test_a_ring_is_private_to_its_user_and_unlinked_once_in_use(pair) -> None:
 def test_a_blocked_receiver_wakes_for_a_ring_message(
     pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from actorrpc.transport import _zmq
-
     sender, receiver = pair
     link = _switched(sender, receiver)
-    blocking = threading.Event()
-    real_poll = _zmq._zmq_poll
-
-    def poll(*args: object) -> object:
-        if threading.current_thread() is thread:  # (not a group's I/O thread in this process)
-            blocking.set()
-        return real_poll(*args)
-
-    result: list[list[list[object]]] = []
-    thread = threading.Thread(target=lambda: result.append(receiver.receive(30.0)))
-    monkeypatch.setattr(_zmq, "_zmq_poll", poll)
-    thread.start()
-    assert blocking.wait(10)  # it blocks; without the doorbell it would wait 30 s
+    # it blocks; without the doorbell it would wait 30 s
+    thread, result = start_blocked(monkeypatch, lambda: receiver.receive(30.0))
     started = time.monotonic()
     assert link.ring is not None
     bells = link.ring.bells
@@ -385,6 +372,37 @@ def test_a_blocked_receiver_wakes_for_a_ring_message(
     assert not thread.is_alive() and time.monotonic() - started < 5
     assert link.ring.bells == bells + 1  # (it was asleep)
     assert [bytes(m[2].buffer) for m in result[0]] == [b"wake up"]  # type: ignore[attr-defined]
+
+
+def test_a_ring_message_ends_a_quiet_wait_and_a_ready_ring_skips_it(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorrpc.transport import _zmq
+
+    sender, receiver = pair
+    link = _switched(sender, receiver)
+    assert link.ring is not None
+    # it sleeps; without the doorbell it would wait 30 s
+    thread, result = start_blocked(monkeypatch, lambda: receiver.wait_quietly(30.0))
+    bells = link.ring.bells
+    link.send([b"AR-header", b"wake up"])
+    thread.join(10)
+    assert not thread.is_alive() and result == [True]
+    assert link.ring.bells == bells + 1  # (its writer was told it sleeps)
+    # not received yet: the next quiet wait returns at once, without polling
+    me, real_poll = threading.current_thread(), _zmq._zmq_poll
+
+    def poll(*args: object) -> object:
+        assert threading.current_thread() is not me, "a ready ring was polled for"
+        return real_poll(*args)
+
+    monkeypatch.setattr(_zmq, "_zmq_poll", poll)
+    receiver.nudge()  # (drained, not counted, by the wait that sees the ring ready)
+    assert receiver.wait_quietly(30.0) is True
+    got = receiver.receive(0.01)
+    assert [bytes(m[2].buffer) for m in got] == [b"wake up"]  # type: ignore[attr-defined]
+    monkeypatch.setattr(_zmq, "_zmq_poll", real_poll)
+    assert receiver.wait_quietly(0.01) is False  # (and the nudge was drained)
 
 
 def test_a_socket_message_ends_a_blocked_receive_of_a_ring_reader_every_time(

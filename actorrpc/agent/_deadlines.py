@@ -38,9 +38,9 @@ class Deadlines:
         (answered calls' entries at the top are dropped: an idle worker's I/O thread
         would otherwise wake for each of them)."""
         heap = self._heap
-        while heap and heap[0][1] not in pending:
+        if heap and heap[0][1] not in pending:
             with self._lock:
-                if heap and heap[0][1] not in pending:
+                while heap and heap[0][1] not in pending:
                     heapq.heappop(heap)
         return heap[0][0] - now if heap else None
 

@@ -59,6 +59,12 @@ Invariants:
   before its receives block (``Transport.receive``'s ``busy_until``); the I/O
   thread polls only in a flow of messages, for :data:`IO_FLOW_POLL_SECONDS` after a
   receive that returned some, so an idle worker uses no CPU.
+* The I/O thread looks at its timed work at least every ``_timed_work.MAX_POLL``
+  (50 ms); once the worker has been quiet for a second (``_timed_work.QuietWatch``),
+  up to every ``QUIET_POLL`` (1 s). That wait (``Transport.wait_quietly``) holds the
+  inbox without receiving: it ends when a message may wait (socket or rings), at a
+  wake-up or a nudge, and what came is received on the next loop. Whatever other
+  threads queue for the timed work ends it (``QuietWatch``'s invariant).
 * A turn ends when the future is done or the agent stops; a future completed by
   another thread (a timeout, a dead peer, shutdown) wakes the inbox so the turn
   ends promptly. While the main thread has a turn, SIGINT is deferred to the end
@@ -145,7 +151,8 @@ class InboxTurns:
         # when the I/O thread will next look at its timed work (see wake_io_by); set
         # before it reads what it waits for, so a writer sees it or is seen
         self._io_wakes_at = float("inf")
-        self._io_receiving = False  # it waits in Transport.receive (else on _resume or the lock)
+        # it waits in Transport.receive or wait_quietly (else on _resume or the lock)
+        self._io_receiving = False
         self.closed = False  # the agent stopped: the lock stays taken for good
         self.serving_turns = 0  # turns taken by pool threads after serving (statistics)
         self.io_wakes = 0  # times wake_io_by woke the I/O thread early (statistics)

@@ -167,8 +167,12 @@ class Riders:
                 self._nested.append((rank, entry, now))
                 return
             self._changing(self._queue, rank, entry, now)
+        self._nudge_quiet_io()
+
+    def _nudge_quiet_io(self) -> None:
+        """What was queued is due by the I/O thread's timed work: end its quiet wait."""
         agent = self._agent
-        if agent.quiet.waiting:  # (its due time is the I/O thread's timed work)
+        if agent.quiet.waiting:
             agent._transport.nudge()
 
     def _changing(self, change: Callable[..., _T], *args: Any) -> _T:
@@ -184,8 +188,10 @@ class Riders:
                 if self._depth == 1:
                     try:
                         nested = self._nested
-                        while nested:
-                            self._queue(*nested.pop(0))
+                        if nested:  # (their adds returned without a nudge)
+                            while nested:
+                                self._queue(*nested.pop(0))
+                            self._nudge_quiet_io()
                     finally:
                         self._depth -= 1
                 else:
@@ -288,6 +294,8 @@ class Riders:
             if replies:
                 agent = self._agent
                 agent.inbox.wake_io_by(due, agent.wake_inbox)
+            else:
+                self._nudge_quiet_io()
 
     def _put_back(self, rank: int, queued: _Queued, due: float) -> None:
         self.queued.setdefault(rank, [])[:0] = queued

@@ -40,7 +40,12 @@ class QuietWatch:
     Invariant (no lost wake-up): the I/O thread sets :attr:`waiting` before its last
     look at what other threads queue (:meth:`begin`); they queue first, then read
     :attr:`waiting` and, if set, nudge the transport (``Transport.nudge``, which
-    takes no lock: finalizers queue work too). What arrives by message wakes it anyway.
+    takes no lock: finalizers queue work too). The nudgers: a new call (its deadline,
+    liveness), ``call_soon``, ``submit`` (pool growth), a notification (``Riders.add``,
+    and a change of the riders' tables that applied finalizers' adds made meanwhile,
+    ``put_back``). Held requests, riding replies and deferred riders ask for a look by
+    their due time (``InboxTurns.wake_io_by``), which ends the wait through the inbox
+    (``Transport.wake``); what arrives by message ends it anyway.
     """
 
     def __init__(self) -> None:
@@ -109,7 +114,11 @@ def run_timed_work(agent: Agent) -> None:
 def seconds_to_timed_work(agent: Agent) -> float:
     """How long the I/O thread may wait before :func:`run_timed_work` is due again."""
     now = time.monotonic()
-    limit = agent.quiet.limit(agent, now) if agent._pool.idle_or_empty() else STALL_SECONDS
+    if agent._pool.idle_or_empty():
+        limit = agent.quiet.limit(agent, now)
+    else:  # (work waits while every pool thread is at work)
+        agent.quiet.interrupted()
+        limit = STALL_SECONDS
     riders_due = agent.riders.seconds_to_due(now)
     if riders_due is not None:
         limit = min(limit, max(0.0, riders_due))

@@ -29,6 +29,7 @@ import os
 import select
 import threading
 import time
+import weakref
 from typing import Any
 
 import zmq
@@ -172,6 +173,7 @@ class Transport:
         self._nudge_fd, self._nudge_write_fd = os.pipe()
         os.set_blocking(self._nudge_fd, False)
         os.set_blocking(self._nudge_write_fd, False)
+        weakref.finalize(self, os.close, self._nudge_write_fd)
         try:
             self._inbox = self._context.socket(zmq.ROUTER)
             self._inbox.setsockopt(zmq.LINGER, 0)
@@ -506,7 +508,7 @@ class Transport:
         """
         try:
             os.write(self._nudge_write_fd, b"\0")
-        except OSError:  # full (a nudge waits anyway), or closed
+        except Exception:  # noqa: BLE001 - full (a nudge waits anyway), closed, teardown
             pass
 
     def wait_quietly(self, timeout: float) -> bool:
@@ -523,14 +525,15 @@ class Transport:
         told = rings.fall_asleep() if doorbell is not None else ()
         try:
             items: list[tuple[Any, int]] = [(inbox, _POLLIN), (self._nudge_fd, _POLLIN)]
+            came = False
             if doorbell is not None:
                 full_fence()
                 doorbell.drain()
-                if rings.any_ready():
-                    return True
+                came = rings.any_ready()
                 items.append((doorbell.fd, _POLLIN))
-            self._socket_unsure = True  # (the poll may take the FD's signal)
-            came = bool(_zmq_poll(items, max(0, int(timeout * 1000))))
+            if not came:
+                self._socket_unsure = True  # (the poll may take the FD's signal)
+                came = bool(_zmq_poll(items, max(0, int(timeout * 1000))))
         finally:
             rings.wake_up(told)
         try:
@@ -560,8 +563,10 @@ class Transport:
             self._authenticator.stop()
             self._authenticator = None
         self._context.term()
-        fds, self._nudge_fd, self._nudge_write_fd = (self._nudge_fd, self._nudge_write_fd), -1, -1
-        for fd in fds:
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        # the read end only: a nudge racing with this (it read the write end's number)
+        # writes to a pipe with no reader (EPIPE) rather than to a reused descriptor; the
+        # write end closes with this object
+        fd, self._nudge_fd = self._nudge_fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
