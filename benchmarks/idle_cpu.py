@@ -1,25 +1,32 @@
 """CPU that idle workers use, side by side: what a group costs while nobody calls.
 
     python benchmarks/idle_cpu.py [--world 2] [--seconds 8] [--backends torch,actorrpc]
-                                  [--timeout 120]
+                                  [--timeout 120] [--threads]
 
 For each backend, ``--world`` spawned workers start a group, make one all-to-all round
 of ``rpc_async`` calls (so every connection exists), wait a second, then sit idle for
 ``--seconds`` while each measures the CPU time its threads ran
 (``time.process_time``: the scheduler's own count, in ns, threads that ended included;
 not the tick-sampled ``utime``). Prints, per backend, the idle CPU of the whole group
-(% of one CPU) and per worker (ms of CPU per second).
+(% of one CPU) and per worker (ms of CPU per second); with ``--threads``, also each
+thread's share and how often it ran (``/proc/self/task/*/schedstat``: ns on the CPU and
+times scheduled, of the threads alive at both ends of the window), averaged over the
+workers, a worker's own name shown as ``worker<r>``.
 
 On these 2-vCPU VMs every sleep-and-wake of a thread costs ~0.2 ms of CPU (a bare
 ``time.sleep(0.05)`` loop: 227 µs per wake-up), so an idle worker's CPU is mostly its
-wake-ups: actorrpc's I/O thread looks at its timed work 20 times a second. Figures are
-in docs/performance.md.
+wake-ups: actorrpc's I/O thread looks at its timed work once a second while the worker
+is quiet (20 times a second before the twenty-sixth session). Figures are in
+docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import threading
 import time
+from collections import defaultdict
 from typing import Any
 
 from _common import Session, ensure_repo_on_path
@@ -33,10 +40,26 @@ def noop() -> None:
     return None
 
 
+def _thread_clocks(rank: int) -> dict[int, tuple[str, int, int]]:
+    """Per thread id of this process: (its name, ns it ran, times it was scheduled)."""
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    clocks = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                name = names.get(int(tid)) or comm.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as stat:
+                ran, _, runs = (int(field) for field in stat.read().split())
+        except OSError:  # (it ended)
+            continue
+        clocks[int(tid)] = (name.replace(f"worker{rank}", "worker<r>"), ran, runs)
+    return clocks
+
+
 def _worker(rank: int, world_size: int, port: int, out: Any, barrier: Any, name: str,
             seconds: float) -> None:
-    """Spawned process (``_common.Session``): reports ``("cpu", rank, seconds of CPU)``,
-    or ``("fatal", rank, message)``."""
+    """Spawned process (``_common.Session``): reports ``("cpu", rank, (seconds of CPU,
+    [(thread name, seconds, times scheduled)]))``, or ``("fatal", rank, message)``."""
     try:
         backend = Backend(name, port)
         rpc = backend.rpc
@@ -48,9 +71,13 @@ def _worker(rank: int, world_size: int, port: int, out: Any, barrier: Any, name:
             for call in calls:
                 call.wait()
             time.sleep(1.0)  # (the round's after-effects: rides, releases, back-offs)
-            began = time.process_time()
+            clocks, began = _thread_clocks(rank), time.process_time()
             time.sleep(seconds)
-            out.put(("cpu", rank, time.process_time() - began))
+            used = time.process_time() - began
+            threads = [(name_, (ran - clocks[tid][1]) / 1e9, runs - clocks[tid][2])
+                       for tid, (name_, ran, runs) in _thread_clocks(rank).items()
+                       if tid in clocks]
+            out.put(("cpu", rank, (used, threads)))
         finally:
             rpc.shutdown()
     except BaseException as exc:
@@ -58,21 +85,29 @@ def _worker(rank: int, world_size: int, port: int, out: Any, barrier: Any, name:
         raise
 
 
-def measure(name: str, world: int, seconds: float, timeout: float = 120.0) -> float:
-    """Seconds of CPU per second that the whole idle group of ``name`` used."""
+def measure(name: str, world: int, seconds: float, timeout: float = 120.0
+            ) -> tuple[float, list[tuple[str, float, float]]]:
+    """Seconds of CPU per second that the whole idle group of ``name`` used, and per
+    thread name (mean over the workers): seconds of CPU and times scheduled per second."""
     session = Session(_worker, world, (name, seconds))
     session.start()
     used: dict[int, float] = {}
+    threads: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     deadline = time.monotonic() + timeout + seconds
     try:
         while len(used) < world:
             kind, rank, value = session.get(deadline - time.monotonic())  # SessionError late
             if kind == "fatal":
                 raise RuntimeError(f"{name}, rank {rank}: {value}")
-            used[rank] = value
+            used[rank], per_thread = value
+            for thread, ran, runs in per_thread:
+                threads[thread][0] += ran / seconds / world
+                threads[thread][1] += runs / seconds / world
     finally:
         session.close(grace=10.0)
-    return sum(used.values()) / seconds
+    ranked = sorted(((thread, ran, runs) for thread, (ran, runs) in threads.items()),
+                    key=lambda row: -row[1])
+    return sum(used.values()) / seconds, ranked
 
 
 def summarize(name: str, world: int, cpu_per_second: float) -> str:
@@ -86,10 +121,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--backends", default="torch,actorrpc")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per backend")
+    parser.add_argument("--threads", action="store_true", help="also each thread's share")
     args = parser.parse_args()
     for name in args.backends.split(","):
-        used = measure(name, args.world, args.seconds, args.timeout)
+        used, threads = measure(name, args.world, args.seconds, args.timeout)
         print(summarize(name, args.world, used), flush=True)
+        if args.threads:
+            for thread, ran, runs in threads:
+                if ran >= 1e-5 or runs >= 0.1:
+                    print(f"  {thread}: {ran * 1e3:.2f} ms of CPU per second, "
+                          f"scheduled {runs:.1f} times a second", flush=True)
 
 
 if __name__ == "__main__":

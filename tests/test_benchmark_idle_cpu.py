@@ -26,9 +26,15 @@ def test_the_summary_reads_the_figure() -> None:
 def test_an_idle_group_is_measured() -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--world", "2", "--seconds", "1", "--backends", "actorrpc",
-         "--timeout", "60"],
+         "--timeout", "60", "--threads"],
         capture_output=True, text=True, timeout=110,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    first, *threads = done.stdout.splitlines()
     assert re.fullmatch(r"actorrpc: 2 idle workers use [\d.]+% of one CPU "
-                        r"\([\d.]+ ms of CPU per second each\)\n", done.stdout), done.stdout
+                        r"\([\d.]+ ms of CPU per second each\)", first), done.stdout
+    names = [line.split(":")[0].strip() for line in threads]
+    # (the worker's own name folded, so both workers' threads add up)
+    assert "actorrpc-io-worker<r>" in names, done.stdout
+    assert all(re.fullmatch(r"  .+: [\d.]+ ms of CPU per second, scheduled [\d.]+ times a "
+                            r"second", line) for line in threads), done.stdout
