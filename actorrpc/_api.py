@@ -19,7 +19,7 @@ from .agent import (
     set_current_agent,
     validate_worker_name,
 )
-from .agent._agent import _current_or_none
+from .agent._current import current_agent_or_none
 from .errors import AlreadyInitializedError, InvalidArgumentError
 from .rref import remote as remote
 
@@ -151,7 +151,7 @@ def init_rpc(
     if world_size is not None and (world_size < 1 or not 0 <= rank < world_size):
         raise InvalidArgumentError(f"rank {rank} is not in range for world_size {world_size}")
     with _init_lock:
-        if _current_or_none() is not None:
+        if current_agent_or_none() is not None:
             raise AlreadyInitializedError("RPC is already initialized in this process")
         if options.freeze_gc:  # first: a full collection may otherwise land in the rendezvous
             _freeze_gc()
@@ -177,7 +177,7 @@ def is_initialized() -> bool:
         >>> rpc.is_initialized()
         True
     """
-    return _current_or_none() is not None
+    return current_agent_or_none() is not None
 
 
 def shutdown(graceful: bool = True, timeout: float | None = None) -> None:

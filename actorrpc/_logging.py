@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 
-from .agent._agent import _current_or_none
+from .agent._current import current_agent_or_none
 
 __all__ = ["WorkerNameFilter", "install_worker_name_filter"]
 
 
 class WorkerNameFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        agent = _current_or_none()
+        agent = current_agent_or_none()
         worker = agent.name if agent is not None else "-"
         record.worker = worker
         if not getattr(record, "_actorrpc_prefixed", False):

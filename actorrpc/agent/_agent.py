@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 
 from ..errors import (
     ActorRpcError,
-    NotInitializedError,
     PeerUnreachableError,
     ShutdownError,
 )
@@ -55,6 +54,12 @@ from ._calls import (
     PendingCall,
     RecentEntries,
     compose_reply_transforms,
+)
+from ._current import (
+    current_agent,
+    installed_plugins,
+    register_agent_plugin,
+    set_current_agent,
 )
 from ._deadlines import Deadlines
 from ._deferred_riders import DeferredRiderQueue
@@ -95,36 +100,6 @@ _PAYLOAD_FIELDS: dict[MessageKind, Any] = {
     MessageKind.CALL: _CALL_FIELDS,
     MessageKind.REMOTE_CALL: _CALL_FIELDS,
 }
-
-_plugins: list[Callable[[Agent], None]] = []
-_current: Agent | None = None
-
-
-def current_agent() -> Agent:
-    """The agent of this process; :class:`NotInitializedError` before init or after shutdown."""
-    agent = _current
-    if agent is None:
-        raise NotInitializedError(
-            "RPC has not been initialized. Call actorrpc.init_rpc(...) first "
-            "(after shutdown() it must be called again)"
-        )
-    return agent
-
-
-def _current_or_none() -> Agent | None:
-    return _current
-
-
-def set_current_agent(agent: Agent | None) -> None:
-    global _current
-    _current = agent
-
-
-def register_agent_plugin(install: Callable[[Agent], None]) -> None:
-    """Run ``install(agent)`` for every agent created from now on (handlers, hooks)."""
-    if install not in _plugins:
-        _plugins.append(install)
-
 
 class Agent(MessageDispatcher):
     """One worker of the group: its sockets, threads and call bookkeeping."""
@@ -189,7 +164,7 @@ class Agent(MessageDispatcher):
             MessageKind.REPLY_UNDECODED, self._handle_reply_undecoded, inline=True
         )
         try:
-            for install in _plugins:
+            for install in installed_plugins():
                 install(self)
             secret = None
             if options.security != "none":
