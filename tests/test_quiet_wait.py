@@ -105,6 +105,19 @@ def test_what_was_queued_after_the_last_look_cancels_the_long_wait() -> None:
     assert watch.limit(agent, 100.0 + 2 * QUIET_SECONDS) == MAX_POLL
 
 
+def test_producers_nudge_only_a_long_wait() -> None:
+    nudges: list[int] = []
+    agent, watch = _quiet_agent(), QuietWatch(nudge=lambda: nudges.append(1))
+    watch.nudge_if_waiting()  # it looks at its timed work within MAX_POLL anyway
+    assert nudges == []
+    assert watch.begin(agent)
+    watch.nudge_if_waiting()
+    assert nudges == [1]
+    watch.end(woken=True)
+    watch.nudge_if_waiting()
+    assert nudges == [1]
+
+
 # -- the transport's quiet wait ---------------------------------------------------------------
 
 

@@ -45,9 +45,8 @@ class _StubAgent:
         self.stats = SimpleNamespace(bytes_out=collections.Counter())
         self.inbox = SimpleNamespace(wake_io_by=lambda when, _: self.wake_requests.append(when))
         self.riders: Riders | None = None
-        self.quiet = QuietWatch()
+        self.quiet = QuietWatch(nudge=self._nudge)
         self.nudges = 0
-        self._transport = SimpleNamespace(nudge=self._nudge)
 
     def _nudge(self) -> None:
         self.nudges += 1

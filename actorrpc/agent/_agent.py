@@ -180,6 +180,7 @@ class Agent(MessageDispatcher):
                 name_threads=options.batch_scheduling,
                 rings=options.same_host_rings,
             )
+            self.quiet.nudge = self._transport.nudge
             self.inbox.spin_gate = self._transport.spin_gate
             self.batch_scheduling = BatchScheduling(  # libzmq's I/O threads
                 self._transport.io_thread_ids(), options.batch_scheduling,
@@ -224,8 +225,7 @@ class Agent(MessageDispatcher):
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the I/O thread soon; safe from ``__del__`` and any thread."""
         self._soon.put((fn, args))
-        if self.quiet.waiting:
-            self._transport.nudge()
+        self.quiet.nudge_if_waiting()
 
     def notify_soon(self, rank: int, kind: MessageKind, payload: Any) -> None:
         """Send a notification to ``rank`` on the next message to it (kinds registered with
@@ -239,8 +239,7 @@ class Agent(MessageDispatcher):
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on a pool thread (work that computes: never on the I/O thread)."""
         self._pool.submit(fn, *args)
-        if self.quiet.waiting:
-            self._transport.nudge()
+        self.quiet.nudge_if_waiting()
 
     def add_call_hook(self, hook: CallHook) -> None:
         self._hooks.append(hook)
@@ -401,8 +400,7 @@ class Agent(MessageDispatcher):
         )
         if timeout > 0:
             self._deadlines.add(time.monotonic() + timeout, message_id)
-        if self.quiet.waiting:  # (its deadline and liveness are the I/O thread's timed work)
-            self._transport.nudge()
+        self.quiet.nudge_if_waiting()  # (its deadline and liveness are timed work)
         traced = self.tracer.enabled  # recorded before sending: the reply may come first
         if traced:
             self.tracer.call_sent(message_id, dest.id, description or kind.name,

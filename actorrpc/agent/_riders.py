@@ -167,13 +167,7 @@ class Riders:
                 self._nested.append((rank, entry, now))
                 return
             self._changing(self._queue, rank, entry, now)
-        self._nudge_quiet_io()
-
-    def _nudge_quiet_io(self) -> None:
-        """What was queued is due by the I/O thread's timed work: end its quiet wait."""
-        agent = self._agent
-        if agent.quiet.waiting:
-            agent._transport.nudge()
+        self._agent.quiet.nudge_if_waiting()
 
     def _changing(self, change: Callable[..., _T], *args: Any) -> _T:
         """``change(*args)`` with the lock, as a change of the tables: an :meth:`add` that
@@ -191,7 +185,7 @@ class Riders:
                         if nested:  # (their adds returned without a nudge)
                             while nested:
                                 self._queue(*nested.pop(0))
-                            self._nudge_quiet_io()
+                            self._agent.quiet.nudge_if_waiting()
                     finally:
                         self._depth -= 1
                 else:
@@ -295,7 +289,7 @@ class Riders:
                 agent = self._agent
                 agent.inbox.wake_io_by(due, agent.wake_inbox)
             else:
-                self._nudge_quiet_io()
+                self._agent.quiet.nudge_if_waiting()
 
     def _put_back(self, rank: int, queued: _Queued, due: float) -> None:
         self.queued.setdefault(rank, [])[:0] = queued

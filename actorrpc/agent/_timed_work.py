@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ._pool import STALL_SECONDS
@@ -48,10 +49,17 @@ class QuietWatch:
     (``Transport.wake``); what arrives by message ends it anyway.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, nudge: Callable[[], None] = lambda: None) -> None:
         self.waiting = False
+        self.nudge = nudge  # ends the wait (``Transport.nudge``, set once it exists)
         self._since = 0.0  # when the current quiet stretch began (0: not quiet)
         self.long_waits = 0  # waits longer than MAX_POLL (statistics)
+
+    def nudge_if_waiting(self) -> None:
+        """Something was queued for the I/O thread's timed work: end its quiet wait, if
+        it waits so (call after queueing: see the invariant above)."""
+        if self.waiting:
+            self.nudge()
 
     def quiet_since(self) -> float:
         """When the current quiet stretch began (monotonic time; 0: not quiet now)."""
