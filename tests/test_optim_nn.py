@@ -17,6 +17,7 @@ from torch import nn
 
 import actorrpc as rpc
 import actorrpc.autograd as dist_autograd
+from actorrpc.agent import current_agent
 from actorrpc.errors import DistAutogradError
 from actorrpc.nn import RemoteModule
 from actorrpc.optim import DistributedOptimizer
@@ -84,6 +85,11 @@ def _reset_concurrency() -> None:
 def _concurrency() -> tuple[int, int]:
     with _concurrency_lock:
         return _max_active_steps, _step_count
+
+
+def _steps_running() -> int:
+    with _concurrency_lock:
+        return _active_steps
 
 
 class FailingSGD(torch.optim.SGD):
@@ -309,6 +315,46 @@ def test_step_error_names_the_worker(cluster: list[str]) -> None:
         with pytest.raises(ValueError, match="step exploded on purpose") as info:
             optimizer.step(context_id)
     assert "worker2" in str(info.value)
+
+
+def test_this_workers_own_optimizer_steps_here_without_a_call(cluster: list[str]) -> None:
+    local = _make_param(81, (4,))
+    rrefs = [rpc.remote("worker1", _make_param, args=(82, (4,))), rpc.RRef(local)]
+    before = _fetch(rrefs)
+    x = torch.tensor([0.5, -1.0, 2.0, 0.25])
+    optimizer = DistributedOptimizer(torch.optim.SGD, rrefs, lr=0.3)
+    stats = current_agent().stats
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [_loss(rrefs, x)])
+        to_self, to_worker1 = stats.calls_sent[0], stats.calls_sent[1]
+        optimizer.step(context_id)
+        assert stats.calls_sent[0] == to_self  # no RPC to itself
+        assert stats.calls_sent[1] == to_worker1 + 1
+    expected = _expected_sgd(before, x, [True, True], lr=0.3)
+    for got, want in zip(_fetch(rrefs), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+    assert local.grad is None
+
+
+def test_an_error_of_this_workers_own_step_names_it_after_the_others_finished(
+    cluster: list[str],
+) -> None:
+    rpc.rpc_sync("worker1", _reset_concurrency)
+    local = _make_param(83, (2,))
+    remote_param = rpc.remote("worker1", _make_param, args=(84, (2,)))
+    failing = DistributedOptimizer(FailingSGD, [rpc.RRef(local)], lr=0.1)
+    counting = DistributedOptimizer(CountingSGD, [remote_param], lr=0.1)
+    failing.remote_optimizers += counting.remote_optimizers  # one step over both owners
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [_loss([rpc.RRef(local), remote_param], torch.ones(2))])
+        with pytest.raises(ValueError, match="step exploded on purpose") as info:
+            failing.step(context_id)
+        running = rpc.rpc_sync("worker1", _steps_running)
+        _, count = rpc.rpc_sync("worker1", _concurrency)
+    assert "worker0" in str(info.value)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert count == 1 and running == 0  # worker1's step ran, and had finished
+    assert local.grad is None
 
 
 def test_params_must_be_rrefs(cluster: list[str]) -> None:

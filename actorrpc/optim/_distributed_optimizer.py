@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..agent import current_agent
+from ..agent._remote_exception import pack_exception, rebuild_exception
 from ..autograd import _current_context, _retrieve_context
 from ..errors import DistAutogradError, InvalidArgumentError
 from ..rref import RRef, remote
@@ -66,9 +67,10 @@ def _local_step(optimizer_rref: RRef[_LocalOptimizer], autograd_context_id: int)
     optimizer_rref.local_value().step(autograd_context_id)
 
 
-def _wait_all(futures: list[Any]) -> None:
-    """Wait for every future; re-raise the first error (each names its worker)."""
-    errors = []
+def _wait_all(futures: list[Any], errors: list[BaseException] | None = None) -> None:
+    """Wait for every future; re-raise the first error of ``errors`` and theirs (each
+    names its worker)."""
+    errors = errors if errors is not None else []
     for future in futures:
         try:
             future.wait()
@@ -140,7 +142,20 @@ class DistributedOptimizer:
         else:
             _retrieve_context(context_id)  # "Could not find autograd context with id: N"
         agent = current_agent()
-        _wait_all([
+        futures = [
             agent.call(rref.owner(), _local_step, (rref, context_id), {})
-            for rref in self.remote_optimizers
-        ])
+            for rref in self.remote_optimizers if not rref.is_owner()
+        ]
+        # this worker's own optimizer steps here while the others step (an RPC to
+        # itself would cost two trips through its own inbox and a pool thread's turn);
+        # its error reads as one that came back from a worker
+        errors: list[BaseException] = []
+        for rref in self.remote_optimizers:
+            if rref.is_owner():
+                try:
+                    _local_step(rref, context_id)
+                except Exception as exc:  # noqa: BLE001 - raised after the others finished
+                    error = rebuild_exception(pack_exception(exc, agent.name))
+                    error.__cause__ = exc
+                    errors.append(error)
+        _wait_all(futures, errors)
