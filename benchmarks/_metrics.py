@@ -16,9 +16,10 @@ from types import ModuleType
 from typing import Any
 
 from _common import ensure_repo_on_path, latency_stats, pin_process, rss_mb, time_calls
+from _training import stack_of, train_step_times
 
 PEER = "worker1"
-METRICS = ("rpc_sync", "rpc_async", "remote", "echo_1mb", "echo_64mb", "autograd")
+METRICS = ("rpc_sync", "rpc_async", "remote", "echo_1mb", "echo_64mb", "autograd", "train_step")
 BACKENDS = ("torch", "actorrpc")
 MB = 1 << 20
 
@@ -39,6 +40,8 @@ class Config:
     echo_64mb_n: int = 30
     autograd_warmup: int = 50
     autograd_n: int = 500
+    train_warmup: int = 20
+    train_n: int = 300
     metric_timeout_s: float = 180.0
     init_timeout_s: float = 120.0
     backend_budget_s: float = 900.0
@@ -60,6 +63,8 @@ QUICK = Config(
     echo_64mb_n=0,
     autograd_warmup=5,
     autograd_n=50,
+    train_warmup=3,
+    train_n=20,
     metric_timeout_s=10.0,
     init_timeout_s=25.0,
     backend_budget_s=25.0,
@@ -230,6 +235,12 @@ def run_metric(name: str, backend: Backend, cfg: Config) -> dict[str, Any]:
             if backend.name == "actorrpc":  # optional feature: n/a rather than error
                 return {"na": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
             raise
+    if name == "train_step":
+        if backend.autograd is None:
+            return {"na": backend.autograd_error or "no distributed autograd module"}
+        stack = stack_of(backend.name, rpc, backend.autograd)
+        times = train_step_times(stack, PEER, cfg.train_warmup, cfg.train_n)
+        return latency_stats(times)
     raise ValueError(f"unknown metric {name!r}")
 
 
@@ -252,7 +263,12 @@ def worker_main(
 ) -> None:
     """Spawned process: init the backend, measure (rank 0) or serve (rank 1), shut down."""
     try:
-        pin_process(rank, cfg.pin)
+        if pin_process(rank, cfg.pin):
+            import torch
+
+            # one intra-op thread on one CPU (two wait for each other there: the
+            # training step's LSTM ran 20-40 % slower), the same for both backends
+            torch.set_num_threads(1)
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
         backend = Backend(backend_name, port)

@@ -36,6 +36,8 @@ ROWS = (
     Row("tensor echo 1 MB (GB/s)", "echo_1mb", "gb_per_s", True, 1.5, "≥1.5×"),
     Row("tensor echo 64 MB (GB/s)", "echo_64mb", "gb_per_s", True, 2.0, "≥2×"),
     Row("dist-autograd iteration, median (ms)", "autograd", "median_us", False, 2.0, "≥2×", 1e-3),
+    Row("RNN tutorial training step, median (ms)", "train_step", "median_us", False, None, "–",
+        1e-3),
     Row("init_rpc, max of 2 workers (s)", "init", "init_s_max", False, 2.0, "≤0.5× time"),
     Row("idle worker RSS (MiB)", "init", "rss_mb", False, 1.0, "≤ torch"),
 )

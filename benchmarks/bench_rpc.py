@@ -128,6 +128,7 @@ def run_interleaved(
         echo_1mb_n=max(1, cfg.echo_1mb_n // rounds) if cfg.echo_1mb_n else 0,
         echo_64mb_n=max(1, cfg.echo_64mb_n // rounds) if cfg.echo_64mb_n else 0,
         autograd_n=max(1, cfg.autograd_n // rounds),
+        train_n=max(1, cfg.train_n // rounds),
         init_rounds=1,
     )
     floor_rounds: list[dict[str, Any]] = []
