@@ -121,6 +121,31 @@ def test_rpc_sync_to_self(cluster):
     assert torch.equal(rpc.rpc_sync("worker0", torch.add, args=(t, 2)), t + 2)
 
 
+def fill_in_place(t: torch.Tensor, value: float) -> torch.Tensor:
+    return t.fill_(value)
+
+
+_KEPT: dict[str, torch.Tensor] = {}
+
+
+def keep_and_return(key: str, t: torch.Tensor) -> torch.Tensor:
+    _KEPT[key] = t
+    return t
+
+
+@pytest.mark.parametrize("numel", [4, 1 << 15, 1 << 20])  # copied, zero-copy, shared memory
+def test_a_call_to_itself_copies_arguments_and_results(cluster, numel):
+    """A worker's messages to itself take an in-process link: still copies both ways."""
+    t = torch.zeros(numel)
+    assert torch.equal(rpc.rpc_sync("worker0", fill_in_place, args=(t, 7.0)),
+                       torch.full((numel,), 7.0))
+    assert torch.equal(t, torch.zeros(numel))  # the callee changed its own copy
+    key = f"kept-{numel}"
+    returned = rpc.rpc_sync("worker0", keep_and_return, args=(key, t))
+    returned.fill_(3.0)
+    assert torch.equal(_KEPT.pop(key), torch.zeros(numel))  # the caller got a copy
+
+
 def test_rpc_async_to_other_and_self(cluster):
     futs = [
         rpc.rpc_async(name, add_ones, args=(torch.zeros(2), i)) for i, name in enumerate(cluster)

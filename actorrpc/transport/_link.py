@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -50,8 +51,11 @@ class PeerLink:
     """A DEALER socket connected to one peer's inbox, safe to share between threads."""
 
     def __init__(self, socket: zmq.Socket[Any], endpoint: str,
-                 activity: SocketActivity | None = None) -> None:
+                 activity: SocketActivity | None = None, in_process: bool = False) -> None:
         self._socket = socket
+        # an in-process connection hands a zero-copy frame's memory itself to the
+        # receiver: the link copies every frame, as a socket to another process does
+        self._copy_threshold = sys.maxsize if in_process else _COPY_THRESHOLD
         self._activity = activity or SocketActivity()
         self._lock = threading.Lock()
         self.endpoint = endpoint
@@ -87,7 +91,7 @@ class PeerLink:
                     if type(frame) is bytes:
                         _socket_send(socket, frame, flags)
                     else:
-                        big = isinstance(frame, memoryview) and frame.nbytes >= _COPY_THRESHOLD
+                        big = isinstance(frame, memoryview) and frame.nbytes >= self._copy_threshold
                         _socket_send(socket, frame, flags, not big)
             except zmq.Again as exc:
                 if ring is not None:

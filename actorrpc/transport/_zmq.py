@@ -193,7 +193,7 @@ class Transport:
         # connections carry no security handshake), so a receiver blocks in one
         # zmq_recv instead of polling two sockets: far fewer system calls per message.
         self._wake_lock = threading.Lock()
-        local = f"inproc://inbox-{id(self)}"
+        local = self._local = f"inproc://inbox-{id(self)}"
         self._inbox.bind(local)
         self._wake_tx = self._context.socket(zmq.DEALER)
         self._wake_tx.setsockopt(zmq.LINGER, 0)
@@ -261,13 +261,20 @@ class Transport:
                 socket.setsockopt(zmq.TCP_KEEPALIVE, 1)
                 socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
                 socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-                configure_client(socket, self._security, self._secret)
-                socket.connect(endpoint)
+                # itself: through the in-process endpoint (no TCP, no libzmq I/O thread;
+                # like the wake-ups, no security handshake: nothing outside this process
+                # can connect there)
+                in_process = peer == self._identity
+                if in_process:
+                    socket.connect(self._local)
+                else:
+                    configure_client(socket, self._security, self._secret)
+                    socket.connect(endpoint)
             except zmq.ZMQError as exc:
                 raise PeerUnreachableError(f"cannot connect to {endpoint}: {exc}") from exc
             if link is not None:
                 link.close()
-            link = PeerLink(socket, endpoint, self.socket_activity)
+            link = PeerLink(socket, endpoint, self.socket_activity, in_process)
             self._links[peer] = link
             relinked = peer in self._linked
             self._linked.add(peer)
