@@ -235,12 +235,6 @@ def transport_facts() -> dict:
     }
 
 
-def reset_self_link() -> None:
-    """Drop worker1's link to its own inbox (the raw probes stole its routing id)."""
-    agent = current_agent()
-    agent._transport.drop_link(agent.identity)
-
-
 def whoami() -> str:
     return rpc.get_worker_info().name
 
@@ -342,21 +336,23 @@ def assert_worker1_serves() -> None:
 
 @pytest.fixture
 def worker1(cluster):
-    """worker1's facts and a ZeroMQ context for raw sockets; heals worker1 afterwards.
+    """worker1's facts and a ZeroMQ context for raw sockets.
 
-    A raw socket presenting worker1's connection id takes that id over in
-    worker1's ROUTER (ROUTER_HANDOVER), which stalls worker1's link to itself
-    until its heartbeat gives up. The teardown drops that link so that later
-    tests that call worker1 -> worker1 find a fresh one.
+    A raw socket presenting worker1's connection id takes that id over in worker1's
+    ROUTER (ROUTER_HANDOVER). worker1's link to itself uses an id of its own, which
+    nothing outside worker1 knows, so its calls to itself keep working meanwhile and
+    afterwards (checked after each test).
     """
     facts = rpc.rpc_sync("worker1", transport_facts)
     assert facts["rank"] == 1 and facts["secret"], facts
     context = zmq.Context()
     try:
         yield context, facts
+        assert rpc.rpc_sync("worker1", call_self_and_peers, timeout=30) == [
+            "worker1", "worker0", "worker2",
+        ]
     finally:
         context.destroy(linger=0)
-        rpc.rpc_sync("worker1", reset_self_link, timeout=10)
     assert_worker1_serves()
     assert rpc.rpc_sync("worker1", call_self_and_peers, timeout=30) == [
         "worker1",

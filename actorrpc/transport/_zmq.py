@@ -145,6 +145,11 @@ class Transport:
         if security != "none" and not secret:
             raise InvalidArgumentError(f"security={security!r} needs a group secret")
         self._identity = identity
+        # the routing id of this transport's link to its own inbox (see ``link``): not its
+        # identity, which a peer holding the group's credentials could take over (the
+        # inbox hands an id to its newest connection), and an in-process connection,
+        # unlike a TCP one, never connects again; nobody outside the process knows it
+        self._own_link_id = b"!own-" + os.urandom(12)
         self._security = security
         self._secret = secret or ""
         self._send_timeout_ms = int(send_timeout * 1000) if send_timeout > 0 else -1
@@ -253,8 +258,10 @@ class Transport:
             if link is not None and link.endpoint == endpoint and not link.closed:
                 return link
             try:
+                in_process = peer == self._identity
                 socket = self._context.socket(zmq.DEALER)
-                socket.setsockopt(zmq.ROUTING_ID, self._identity)
+                socket.setsockopt(zmq.ROUTING_ID,
+                                  self._own_link_id if in_process else self._identity)
                 socket.setsockopt(zmq.LINGER, 0)
                 socket.setsockopt(zmq.SNDHWM, self._hwm)
                 socket.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
@@ -264,7 +271,6 @@ class Transport:
                 # itself: through the in-process endpoint (no TCP, no libzmq I/O thread;
                 # like the wake-ups, no security handshake: nothing outside this process
                 # can connect there)
-                in_process = peer == self._identity
                 if in_process:
                     socket.connect(self._local)
                 else:
@@ -372,6 +378,8 @@ class Transport:
                     frame = _socket_recv(inbox, 0, False)
                     message.append(frame)
             if message[0] != _WAKE_ID:
+                if message[0] == self._own_link_id:
+                    message[0] = self._identity
                 self.socket_activity.at = _monotonic()
                 if len(message) > 1 and message[1][:1] == _CONTROL:
                     self._answer_control(message, messages)
