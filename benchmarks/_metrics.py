@@ -16,7 +16,6 @@ from types import ModuleType
 from typing import Any
 
 from _common import ensure_repo_on_path, latency_stats, pin_process, rss_mb, time_calls
-from _training import stack_of, train_step_times
 
 PEER = "worker1"
 METRICS = ("rpc_sync", "rpc_async", "remote", "echo_1mb", "echo_64mb", "autograd", "train_step")
@@ -238,6 +237,8 @@ def run_metric(name: str, backend: Backend, cfg: Config) -> dict[str, Any]:
     if name == "train_step":
         if backend.autograd is None:
             return {"na": backend.autograd_error or "no distributed autograd module"}
+        from _training import stack_of, train_step_times  # (imports torch: not at the top)
+
         stack = stack_of(backend.name, rpc, backend.autograd)
         times = train_step_times(stack, PEER, cfg.train_warmup, cfg.train_n)
         return latency_stats(times)

@@ -336,7 +336,7 @@ def test_this_workers_own_optimizer_steps_here_without_a_call(cluster: list[str]
     assert local.grad is None
 
 
-def test_an_error_of_this_workers_own_step_names_it_after_the_others_finished(
+def test_an_error_of_this_workers_own_step_names_it_in_the_owners_order(
     cluster: list[str],
 ) -> None:
     rpc.rpc_sync("worker1", _reset_concurrency)
@@ -351,9 +351,16 @@ def test_an_error_of_this_workers_own_step_names_it_after_the_others_finished(
             failing.step(context_id)
         running = rpc.rpc_sync("worker1", _steps_running)
         _, count = rpc.rpc_sync("worker1", _concurrency)
-    assert "worker0" in str(info.value)
-    assert isinstance(info.value.__cause__, ValueError)
+    assert str(info.value).startswith("On WorkerInfo(id=0, name=worker0):")
     assert count == 1 and running == 0  # worker1's step ran, and had finished
+    # the first error in the order of the owners: worker2's, listed before this worker's
+    first = DistributedOptimizer(FailingSGD, [rpc.remote("worker2", _make_param, args=(85, (2,)))],
+                                 lr=0.1)
+    first.remote_optimizers += failing.remote_optimizers[:1]
+    with dist_autograd.context() as context_id:
+        with pytest.raises(ValueError, match="step exploded on purpose") as info:
+            first.step(context_id)
+    assert str(info.value).startswith("On WorkerInfo(id=2, name=worker2):")
     assert local.grad is None
 
 

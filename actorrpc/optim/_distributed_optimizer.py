@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -67,17 +68,19 @@ def _local_step(optimizer_rref: RRef[_LocalOptimizer], autograd_context_id: int)
     optimizer_rref.local_value().step(autograd_context_id)
 
 
-def _wait_all(futures: list[Any], errors: list[BaseException] | None = None) -> None:
-    """Wait for every future; re-raise the first error of ``errors`` and theirs (each
-    names its worker)."""
-    errors = errors if errors is not None else []
-    for future in futures:
+def _wait_all(
+    futures: Iterable[tuple[int, Any]], errors: dict[int, BaseException] | None = None
+) -> None:
+    """Wait for every ``(index, future)``; re-raise the error of the lowest index among
+    theirs and ``errors`` (each names its worker)."""
+    errors = {} if errors is None else errors
+    for index, future in futures:
         try:
             future.wait()
         except Exception as exc:  # noqa: BLE001 - collected, the first is raised
-            errors.append(exc)
+            errors[index] = exc
     if errors:
-        raise errors[0]
+        raise errors[min(errors)]
 
 
 class DistributedOptimizer:
@@ -119,13 +122,14 @@ class DistributedOptimizer:
             remote(owner, _LocalOptimizer, (optimizer_class, params, *args), kwargs)
             for owner, params in by_owner.items()
         ]
-        _wait_all([rref._get_future() for rref in self.remote_optimizers])
+        _wait_all(enumerate(rref._get_future() for rref in self.remote_optimizers))
 
     def step(self, context_id: int | None = None) -> None:
         """Apply the gradients of ``context_id`` (default: the current context) everywhere.
 
-        Owners step concurrently; returns when all are done; the first error,
-        naming its worker, is raised.
+        Owners step concurrently (this worker's own parameters on the calling
+        thread); returns when all are done; the first error in the order of the
+        parameters' owners, naming its worker, is raised.
 
         Example::
 
@@ -142,20 +146,19 @@ class DistributedOptimizer:
         else:
             _retrieve_context(context_id)  # "Could not find autograd context with id: N"
         agent = current_agent()
-        futures = [
-            agent.call(rref.owner(), _local_step, (rref, context_id), {})
-            for rref in self.remote_optimizers if not rref.is_owner()
-        ]
+        futures = {
+            index: agent.call(rref.owner(), _local_step, (rref, context_id), {})
+            for index, rref in enumerate(self.remote_optimizers) if not rref.is_owner()
+        }
         # this worker's own optimizer steps here while the others step (an RPC to
         # itself would cost two trips through its own inbox and a pool thread's turn);
-        # its error reads as one that came back from a worker
-        errors: list[BaseException] = []
-        for rref in self.remote_optimizers:
+        # its error reads as one that came back from a worker. (Unlike a step served
+        # by a pool thread, a Ctrl-C may stop it partway.)
+        errors: dict[int, BaseException] = {}
+        for index, rref in enumerate(self.remote_optimizers):
             if rref.is_owner():
                 try:
                     _local_step(rref, context_id)
                 except Exception as exc:  # noqa: BLE001 - raised after the others finished
-                    error = rebuild_exception(pack_exception(exc, agent.name))
-                    error.__cause__ = exc
-                    errors.append(error)
-        _wait_all(futures, errors)
+                    errors[index] = rebuild_exception(pack_exception(exc, repr(agent.info)))
+        _wait_all(futures.items(), errors)

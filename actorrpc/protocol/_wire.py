@@ -7,7 +7,9 @@ DEALER socket to each peer's ROUTER. All traffic from worker A to worker B,
 requests and responses alike, travels over A's DEALER into B's ROUTER; B
 answers over its own DEALER into A's ROUTER. A DEALER's routing id is the
 sender's *connection id* (``"<rank>:<nonce>"``), so the receiving ROUTER
-prefixes every message with a frame naming the sender.
+prefixes every message with a frame naming the sender. (A worker's link to its own
+inbox is in-process, with a routing id known only to that process, which its
+transport maps back to the worker's connection id.)
 
 Frames
 ------

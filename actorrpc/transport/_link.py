@@ -67,7 +67,8 @@ class PeerLink:
         self._ring_after: int | None = None  # offer a ring at that count (None: not due)
 
     def send(self, frames: Sequence[Any]) -> None:
-        """Send one multipart message; memoryview frames of 64 KiB or more go zero-copy.
+        """Send one multipart message; memoryview frames of 64 KiB or more go zero-copy
+        (except on an in-process link: copied).
 
         Through the same-host ring once the peer accepted it (see ``_ring``).
         """

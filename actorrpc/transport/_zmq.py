@@ -13,8 +13,12 @@ Invariants:
 * Nothing is dropped silently: DEALER sockets queue up to the high-water mark
   and then block the sender (back-pressure); a link that cannot take a message
   within the send timeout raises :class:`~actorrpc.errors.PeerUnreachableError`.
-* Every connection is authenticated before a byte of it reaches the inbox
-  (ZAP with PLAIN credentials by default, or CURVE, which also encrypts: ``_security``).
+* Every connection from outside the process is authenticated before a byte of it
+  reaches the inbox (ZAP with PLAIN credentials by default, or CURVE, which also
+  encrypts: ``_security``). The process's own connections (the wake-ups, and a
+  worker's link to itself) use the inbox's in-process endpoint, which only sockets of
+  the transport's own ZeroMQ context can reach; the link to itself has a routing id of
+  its own, known only in the process, mapped back to the worker's identity on receipt.
 * libzmq's threads of a transport are named ``<n>/ZMQbg/...`` with ``n``
   unique in the process, so that their scheduling policy can be set
   (``agent._batch_scheduling``) without touching other contexts' threads.
