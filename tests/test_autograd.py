@@ -1029,3 +1029,61 @@ def test_boundary_nodes_skip_the_python_apply_layer_unless_functorch_is_active(
     _functions.make_send_aliases([leaf])
     _functions.make_recv_outputs([torch.ones(2)], 1, 2, 3)
     assert used == ["send", "recv"]  # under a transform: torch's own Function.apply
+
+
+class _SlowIdentity(torch.autograd.Function):
+    """Identity whose backward takes a while (on the callee): the reply to the backward
+    message comes after the initiator stopped polling for it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        threading.Event().wait(0.01)  # (a slow computation, not a synchronisation)
+        return grad
+
+
+def _slow_double(x: torch.Tensor) -> torch.Tensor:
+    return _SlowIdentity.apply(x) * 2
+
+
+def _pause(seconds: float) -> None:
+    threading.Event().wait(seconds)  # (work that takes a while, on worker2)
+
+
+def test_passes_handed_back_to_the_initiator_run_on_its_thread(cluster) -> None:
+    """Whichever thread receives the reply, the initiator's local passes run on the
+    thread that called backward(): compute stays on one thread (each thread running
+    torch's parallel ops gets an OpenMP team, and more team threads than cores slow
+    every op of the process). Another thread's calls, waiting meanwhile, take turns on
+    the inbox and receive many of the replies."""
+    leaf = torch.rand(3, requires_grad=True)
+    threads: list[int] = []
+    stop = threading.Event()
+
+    def other_calls() -> None:
+        while not stop.is_set():
+            rpc.rpc_sync("worker2", _pause, args=(0.02,))
+
+    other = threading.Thread(target=other_calls)
+    other.start()
+    try:
+        _initiator_loop(leaf, threads)
+    finally:
+        stop.set()
+        other.join(30)
+    assert not other.is_alive()
+    assert threads == [threading.get_ident()] * 20
+
+
+def _initiator_loop(leaf: torch.Tensor, threads: list[int]) -> None:
+    for _ in range(20):
+        with dist_autograd.context() as context_id:
+            sent = leaf * 1.5  # not a leaf: its gradient continues a local pass here
+            sent.register_hook(lambda grad: threads.append(threading.get_ident()))
+            out = rpc.rpc_sync("worker1", _slow_double, args=(sent,))
+            dist_autograd.backward(context_id, [out.sum()])
+            grads = dist_autograd.get_gradients(context_id)
+        assert torch.allclose(grads[leaf], torch.full((3,), 3.0))

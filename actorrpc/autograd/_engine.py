@@ -235,37 +235,53 @@ class AutogradEngine:
 
     def _drive_from_here(self, ctx: DistAutogradContext, futures: list[CallResult[Any]],
                          retain_graph: bool, pass_id: int) -> None:
-        """The initiator's wait: passes handed back to it run in its own thread.
+        """The initiator's wait: every pass handed back to it runs in its own thread.
 
-        A reply this thread receives while it waits (its turn on the inbox) hands
-        its passes over to run after the turn, here, not on the pool: no thread
-        hand-off, and nothing computes while holding the inbox (peers' messages
-        and liveness checks keep being received).
+        The initiator only waits meanwhile, so a pass runs there with no hand-off to
+        the pool; and this worker's compute stays on one thread: each thread that
+        runs torch's parallel ops gets an OpenMP team of its own, and with more
+        team threads than cores GNU OpenMP stops spinning between parallel regions
+        process-wide, so every later op of the process pays a wake-up per region
+        (a 2-layer LSTM's forward and backward ~6x slower, on both cores). A reply
+        received on this thread (its turn on the inbox) queues its passes to run
+        after the turn: nothing computes while holding the inbox.
+
+        Invariant (no lost wake-up): the waiter is made under ``lock`` before the
+        queue is found empty, and whoever queues a pass (or completes the driver)
+        completes the waiter current under ``lock`` after it.
         """
-        initiator = threading.get_ident()
+        lock = threading.Lock()
         queued: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         wake: list[CallResult[Any]] = [CallResult("distributed backward", self.agent)]
 
+        def wake_initiator() -> None:
+            with lock:
+                current = wake[0]
+            complete(current)  # (ends its wait, or its turn on the inbox)
+
         def submit(fn: Callable[..., None], *args: Any) -> None:
-            if threading.get_ident() == initiator:
+            with lock:
                 queued.append((fn, args))
-                complete(wake[0])  # ends this thread's turn; it runs ``fn`` next
-            else:
-                self.agent.submit(fn, *args)
+            wake_initiator()
 
         driver = self._driver(ctx, retain_graph, pass_id, None, submit)
-        driver.result.add_done_callback(lambda _: complete(wake[0]))
+        driver.result.add_done_callback(lambda _: wake_initiator())
         driver.add(futures, [])
         while True:
-            while queued:
-                fn, args = queued.pop(0)
-                fn(*args)
-            if driver.result.done():
+            with lock:
+                ready = queued[:]
+                queued.clear()
+                finished = not ready and driver.result.done()
+                if not ready and not finished:
+                    wake[0] = CallResult("distributed backward", self.agent)
+                waiter = wake[0]
+            if finished:
                 break
-            wake[0].wait()
-            wake[0] = CallResult("distributed backward", self.agent)
-            if driver.result.done():  # completed between the wait and the new wake future
-                complete(wake[0])
+            if ready:
+                for fn, args in ready:
+                    fn(*args)
+                continue
+            waiter.wait()
         driver.result.wait()  # raises the first error, once every part finished
 
     def _driver(self, ctx: DistAutogradContext, retain_graph: bool, pass_id: int,
