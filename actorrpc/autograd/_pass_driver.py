@@ -8,10 +8,12 @@ round trip caller -> callee -> caller costs one message pair instead of two.
 
 A :class:`PassDriver` waits for the replies to the messages its passes sent; a
 reply may hand back gradients owed to this worker, for which it runs more local
-passes (on the agent's pool: a pass computes, and replies arrive on the I/O
-thread), which may send more messages. ``result`` completes once nothing is
-outstanding: with the gradients this worker owes its own requester, or with the
-first error seen (after every outstanding part finished, as before).
+passes through the ``submit`` it was given (a pass computes, and replies arrive on
+whichever thread receives: on a callee the agent's pool, on a backward's initiator
+its own thread, ``AutogradEngine._drive_from_here``), which may send more messages.
+``result`` completes once nothing is outstanding: with the gradients this worker
+owes its own requester, or with the first error seen (after every outstanding part
+finished, as before).
 
 Invariant: ``_outstanding`` counts the passes to run plus the replies to wait
 for; each is added before the unit that creates it is finished, so the count
