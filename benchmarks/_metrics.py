@@ -225,9 +225,9 @@ def run_metric(name: str, backend: Backend, cfg: Config) -> dict[str, Any]:
         if cfg.echo_64mb_n <= 0:
             return {"skipped": "skipped (--quick)"}
         return bench_echo(rpc, 64 * MB, cfg.echo_64mb_warmup, cfg.echo_64mb_n)
+    if name in ("autograd", "train_step") and backend.autograd is None:
+        return {"na": backend.autograd_error or "no distributed autograd module"}
     if name == "autograd":
-        if backend.autograd is None:
-            return {"na": backend.autograd_error or "no distributed autograd module"}
         try:
             return bench_autograd(rpc, backend.autograd, cfg)
         except Exception as exc:
@@ -235,8 +235,6 @@ def run_metric(name: str, backend: Backend, cfg: Config) -> dict[str, Any]:
                 return {"na": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
             raise
     if name == "train_step":
-        if backend.autograd is None:
-            return {"na": backend.autograd_error or "no distributed autograd module"}
         from _training import stack_of, train_step_times  # (imports torch: not at the top)
 
         stack = stack_of(backend.name, rpc, backend.autograd)

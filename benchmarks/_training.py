@@ -14,6 +14,7 @@ the local LSTM's forward and backward are the same for both backends.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -74,8 +75,6 @@ def stack_of(backend: str, rpc: ModuleType, dist_autograd: ModuleType) -> Stack:
 def train_step_times(stack: Stack, peer: str, warmup: int, n: int) -> list[float]:
     """Durations (s) of ``n`` training steps after ``warmup`` untimed ones; checks that
     the loss falls (the parameters really are updated on both workers)."""
-    import time
-
     embedding = stack.remote_module(f"{peer}/cpu", EmbeddingTable)
     torch.manual_seed(2)
     lstm = nn.LSTM(NINP, NHID, NLAYERS)
