@@ -419,6 +419,51 @@ def test_a_message_of_leaves_makes_its_send_node_only_when_needed(workers: list[
     t1.requires_grad_(True)
 
 
+def _send_functions_prepared(context_id: int) -> list[str]:
+    """On a worker: how far each of its send functions in the context was worked out
+    (``leaves`` for a message of leaves, ``reach`` when its pass inputs were made, else
+    ``no``), in message id order."""
+    from actorrpc.agent import current_agent
+    from actorrpc.autograd import _engine
+
+    ctx = _engine.engine_of(current_agent()).store.retrieve(context_id)
+    states = []
+    for _, send in sorted(ctx.send_functions.items()):
+        if send.leaves:
+            states.append("leaves")
+        elif send.reach is not None and send.reach._inputs is not None:
+            states.append("reach")
+        else:
+            states.append("no")
+    return states
+
+
+@pytest.mark.timeout(60)
+def test_a_callees_send_functions_are_worked_out_after_its_reply(workers: list[str]) -> None:
+    """The callee works out the pass its result's gradients will start (the graph's reach
+    and the pass inputs) after the reply left, before any backward asks for it."""
+    t1, t2 = _leaves((3, 3), (3, 3), seed=21)
+    param = _outside_context(lambda: rpc.rpc_sync("worker1", _param, args=(21,))).detach()
+
+    def prepared(context_id: int) -> list[str]:
+        return rpc.rpc_sync("worker1", _send_functions_prepared, args=(context_id,))
+
+    with dist_autograd.context() as context_id:
+        product = rpc.rpc_sync("worker1", torch.mul, args=(t1, t2))
+        assert wait_until(lambda: prepared(context_id) == ["reach"], 10), prepared(context_id)
+        remote_param = rpc.rpc_sync("worker1", _param, args=(21,))  # a leaf: nothing to do
+        rref = rpc.remote("worker1", torch.add, args=(t1, t2))
+        fetched = rref.to_here()
+        # (remote() records its result's send function, to_here() the fetched value's)
+        want = ["reach", "leaves", "reach", "reach"]
+        assert wait_until(lambda: prepared(context_id) == want, 10), prepared(context_id)
+        loss = (product * remote_param + fetched).sum()
+        dist_autograd.backward(context_id, [loss])
+        expected = _reference([t1, t2], lambda a, b: (a * b * param + (a + b)).sum())
+        _assert_grads(context_id, [t1, t2], expected)
+        del rref
+
+
 _stored: list[torch.Tensor] = []
 
 

@@ -219,3 +219,33 @@ def test_a_ticket_freed_under_the_proxy_lock_only_queues_its_skip() -> None:
     wait_for(lambda: ctx.early_skips.get((never, 1)) == [0], WAIT, "the skip kept")
     with _proxy._sequences_lock:
         ctx.early_skips.pop((never, 1), None)
+
+
+def test_work_a_serving_scope_leaves_runs_after_the_requests_own() -> None:
+    """``CallRecord.after_reply`` goes after the request's own ``after_reply`` (both run,
+    even when the first raises); with no request to carry it, it runs at once."""
+    from actorrpc.agent._calls import IncomingRequest
+    from actorrpc.agent._dispatch import _leave_after_reply
+    from actorrpc.protocol import MessageKind
+
+    ran: list[str] = []
+    request = IncomingRequest(MessageKind.CALL, current_agent().info, 7, None)
+    _leave_after_reply(lambda: ran.append("scope"), request)
+    assert ran == [] and request.after_reply is not None
+    request.after_reply()
+    assert ran == ["scope"]
+
+    def failing() -> None:
+        ran.append("request")
+        raise ValueError("registration failed")
+
+    ran.clear()
+    request.after_reply = failing
+    _leave_after_reply(lambda: ran.append("scope"), request)
+    with pytest.raises(ValueError, match="registration failed"):
+        request.after_reply()
+    assert ran == ["request", "scope"]
+
+    ran.clear()
+    _leave_after_reply(lambda: ran.append("now"), None)
+    assert ran == ["now"]

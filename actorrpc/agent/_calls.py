@@ -83,13 +83,19 @@ def encode_reply(receiver_rank: int, value: Any) -> EncodedReply:
 
 @dataclass
 class CallRecord:
-    """One call as call hooks see it: on the caller before sending, on the callee while serving."""
+    """One call as call hooks see it: on the caller before sending, on the callee while serving.
+
+    ``after_reply``: set by a hook's ``serving`` scope on the callee for bookkeeping its
+    reply need not wait for; it runs as :attr:`IncomingRequest.after_reply` does (after
+    the request's own, if both are set).
+    """
 
     peer: WorkerInfo
     meta: dict[str, Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     result: Any = None
+    after_reply: Callable[[], None] | None = None
 
 
 class CallHook(Protocol):

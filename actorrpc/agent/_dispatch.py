@@ -81,6 +81,25 @@ _CALL_KINDS = frozenset(
 )
 
 
+def _leave_after_reply(work: Callable[[], None], request: IncomingRequest | None) -> None:
+    """``work`` for after ``request``'s reply (after the request's own such work), or now."""
+    if request is None:
+        work()
+        return
+    first = request.after_reply
+    if first is None:
+        request.after_reply = work
+        return
+
+    def both() -> None:
+        try:
+            first()
+        finally:
+            work()
+
+    request.after_reply = both
+
+
 def _request_name(kind: MessageKind, payload: Any) -> str:
     """A served request in words: its function's name for a call, else its kind."""
     if kind in _CALL_KINDS and isinstance(payload, tuple):
@@ -132,8 +151,13 @@ class MessageDispatcher(ReplySettling):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         run: Callable[[CallRecord], Any],
+        request: IncomingRequest | None = None,
     ) -> Any:
-        """Run ``run(call)`` inside every hook's ``serving`` scope; return the call's result."""
+        """Run ``run(call)`` inside every hook's ``serving`` scope; return the call's result.
+
+        Work a scope leaves in ``call.after_reply`` goes to ``request`` (run after its
+        reply left), or runs now when no request is given.
+        """
         record = CallRecord(sender, meta, args, kwargs)
         if not meta and not self.serving_without_meta:  # no hook has anything to do
             return run(record)
@@ -147,11 +171,13 @@ class MessageDispatcher(ReplySettling):
         if len(scopes) == 1:  # (an ExitStack costs ~3 µs per call warm)
             with scopes[0]:
                 record.result = run(record)
-            return record.result
-        with ExitStack() as stack:
-            for scope in scopes:
-                stack.enter_context(scope)
-            record.result = run(record)
+        else:
+            with ExitStack() as stack:
+                for scope in scopes:
+                    stack.enter_context(scope)
+                record.result = run(record)
+        if record.after_reply is not None:
+            _leave_after_reply(record.after_reply, request)
         return record.result
 
     # -- replying -----------------------------------------------------------------------------
@@ -310,17 +336,19 @@ class MessageDispatcher(ReplySettling):
 
     def _handle_call(self, request: IncomingRequest) -> Any:
         func, args, kwargs, meta = request.payload[:4]
-        return self.serve_call(request.sender, meta, func, args, kwargs)
+        return self.serve_call(request.sender, meta, func, args, kwargs, request)
 
     def serve_call(self, sender: WorkerInfo, meta: dict[str, Any], func: Callable[..., Any],
-                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                   args: tuple[Any, ...], kwargs: dict[str, Any],
+                   request: IncomingRequest | None = None) -> Any:
         """``func(*args, **kwargs)`` as a served call (:meth:`serve`, with the hooks' view of
         the arguments), or directly when no hook has anything to do (no CallRecord, no
         closure: most calls)."""
         if not meta and not self.serving_without_meta:
             return run_user_function(func, args, kwargs)
         return self.serve(
-            sender, meta, args, kwargs, lambda call: run_user_function(func, call.args, call.kwargs)
+            sender, meta, args, kwargs,
+            lambda call: run_user_function(func, call.args, call.kwargs), request,
         )
 
     def requests_being_served(self) -> list[str]:

@@ -27,7 +27,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from ..errors import DistAutogradError
-from ._functions import edges_of, make_send_aliases
+from ._functions import Reach, edges_of, leaves_of_edges, make_send_aliases, reach_from
 
 __all__ = [
     "ContextStore",
@@ -98,7 +98,7 @@ class SendFunction:
     tensors: tuple[torch.Tensor, ...]  # as sent
     shapes: tuple[torch.Size, ...]  # the tensors' shapes when sent (check the gradients)
     edges: tuple[GradientEdge, ...] | None  # None until needed, for a message of leaves
-    reach: Any = None  # cached _functions.Reach of the edges (the graph below never changes)
+    reach: Reach | None = None  # cached reach of the edges (the graph below never changes)
     # the leaves the edges lead to (set by ``of`` for a message of leaves, else cached
     # on first use); () if some edge leads elsewhere (None: not looked at yet)
     leaves: tuple[torch.Tensor, ...] | None = None
@@ -111,6 +111,25 @@ class SendFunction:
         if all(t.is_leaf for t in tensors):
             return cls(message_id, dest, tuple(tensors), shapes, None, leaves=tuple(tensors))
         return cls(message_id, dest, tuple(tensors), shapes, edges_of(tensors))
+
+    def prepare(self) -> None:
+        """Work out what a pass from here needs: the leaves the edges lead to, else the
+        reach of the graph below and the pass's inputs. Once; the callee of a call does
+        it after its reply left, while the caller computes (the graph below a send
+        function never changes, and two threads preparing at once write the same)."""
+        if self.leaves is None:
+            self.leaves = leaves_of_edges(self.roots) or ()
+        if not self.leaves:
+            self.pass_reach()
+
+    def pass_reach(self) -> Reach:
+        """The reach of the graph below the edges, with its pass inputs made (cached)."""
+        reach = self.reach
+        if reach is None:
+            reach = reach_from([edge.node for edge in self.roots])
+            reach.pass_inputs()
+            self.reach = reach
+        return reach
 
     @property
     def roots(self) -> tuple[GradientEdge, ...]:

@@ -70,7 +70,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge
 
 from ..agent import (
     Agent,
@@ -96,10 +95,8 @@ from ._functions import (
     Reach,
     find_grad_tensors,
     gradients_at,
-    leaves_of_edges,
     make_recv_outputs,
     reach_from,
-    recv_tag,
     replace_tensors,
 )
 from ._pass_driver import Owed, PassDriver, appearing_once
@@ -112,6 +109,7 @@ KEY_CONTEXT = "autograd_context_id"
 KEY_MESSAGE = "autograd_message_id"
 KEY_RESPONSE = "autograd_response_id"
 _EXTENSION = "autograd"
+PREPARE_AFTER_REPLY = True
 
 
 def _failed(exc: BaseException) -> CallResult[Any]:
@@ -201,10 +199,13 @@ class AutogradEngine:
         return _ServingInContext(self, call, context_id)
 
     def _record_response(self, ctx: DistAutogradContext, response_id: int, caller: int,
-                         value: Any) -> None:
+                         value: Any) -> SendFunction | None:
         tensors = find_grad_tensors(value)
-        if tensors:
-            ctx.add_send(SendFunction.of(response_id, caller, tensors))
+        if not tensors:
+            return None
+        send = SendFunction.of(response_id, caller, tensors)
+        ctx.add_send(send)
+        return send
 
     def _attach_recv(self, ctx: DistAutogradContext, message_id: int, sender: int, value: Any,
                      received: list[torch.Tensor]) -> Any:
@@ -314,10 +315,7 @@ class AutogradEngine:
         back as one more (failed) future, reported once the messages are answered.
         """
         ctx.claim(start, pass_id, retain_graph)
-        inputs: list[Any] = list(reach.leaves)
-        tags = [recv_tag(node) for node in reach.recvs]
-        for node, tag in zip(reach.recvs, tags):
-            inputs.extend(GradientEdge(node, i) for i in range(tag[3]))  # type: ignore[index]
+        inputs, tags = reach.pass_inputs()
         if not inputs:
             return [], []
         # retain_graph=True always: another message of this pass may cross this subgraph.
@@ -385,8 +383,7 @@ class AutogradEngine:
                     f"message {message_id} carries a gradient of shape {got} for a tensor of "
                     f"shape {tuple(shape)} (gradient {index})"
                 )
-        if send.leaves is None:
-            send.leaves = leaves_of_edges(send.roots) or ()
+        send.prepare()
         if send.leaves and _pass_straight_to_leaves(send.leaves, grads):
             # each tensor of the message was a leaf: its gradient is the one that came
             # back, as the engine would find it (SendRpcBackward is the identity)
@@ -395,12 +392,11 @@ class AutogradEngine:
                 if grad is not None:
                     ctx.accumulate(leaf, grad, owned=id(grad) in single)
             return [], []
-        if send.reach is None:
-            send.reach = reach_from([edge.node for edge in send.roots])
+        reach = send.pass_reach()
         pairs = [(edge, g) for edge, g in zip(send.roots, grads) if g is not None]
         return self._local_pass(
             ctx, [("send", message_id)], [a for a, _ in pairs], [g for _, g in pairs],
-            send.reach, retain_graph, pass_id, reply_to,
+            reach, retain_graph, pass_id, reply_to,
         )
 
     def handle_backward(self, request: IncomingRequest) -> Any:
@@ -544,8 +540,12 @@ class _ServingInContext:
                 return value
 
             call.result = _then(call.result, record)
-        else:
-            engine._record_response(ctx, response_id, caller, call.result)
+            return
+        send = engine._record_response(ctx, response_id, caller, call.result)
+        if send is not None and PREPARE_AFTER_REPLY:
+            # the pass the gradients coming back start is worked out while the caller
+            # computes (after the reply left): not while it waits for that pass's reply
+            call.after_reply = send.prepare
 
 
 def held_context_ids(creator: int) -> set[int]:

@@ -24,7 +24,7 @@ import copy
 import logging
 import operator
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -309,6 +309,18 @@ class Reach:
 
     leaves: list[torch.Tensor]
     recvs: list[Any]
+    _inputs: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+
+    def pass_inputs(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Where a pass over this reach asks for gradients (the leaves, then each recv
+        node's output edges) and the recv nodes' tags (:func:`recv_tag`); made once."""
+        if self._inputs is None:
+            tags = tuple(recv_tag(node) for node in self.recvs)
+            inputs: list[Any] = list(self.leaves)
+            for node, tag in zip(self.recvs, tags):
+                inputs.extend(GradientEdge(node, i) for i in range(tag[3]))  # type: ignore[index]
+            self._inputs = (tuple(inputs), tags)
+        return self._inputs
 
 
 def reach_from(nodes: Iterable[Any], extra_leaves: Iterable[torch.Tensor] = ()) -> Reach:
@@ -351,7 +363,7 @@ def _accelerator_initialized() -> bool:
 
 
 def gradients_at(
-    outputs: list[Any], inputs: list[Any], grad_outputs: list[torch.Tensor]
+    outputs: Sequence[Any], inputs: Sequence[Any], grad_outputs: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor | None, ...]:
     """``torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True, allow_unused=True)``.
 
