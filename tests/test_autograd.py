@@ -452,11 +452,13 @@ def test_a_callees_send_functions_are_worked_out_after_its_reply(workers: list[s
         product = rpc.rpc_sync("worker1", torch.mul, args=(t1, t2))
         assert wait_until(lambda: prepared(context_id) == ["reach"], 10), prepared(context_id)
         remote_param = rpc.rpc_sync("worker1", _param, args=(21,))  # a leaf: nothing to do
+        want = ["reach", "leaves"]
+        assert wait_until(lambda: prepared(context_id) == want, 10), prepared(context_id)
+        # remote() creations and fetches leave it to the pass that needs it (a fetch may
+        # be served inline, on a thread that receives)
         rref = rpc.remote("worker1", torch.add, args=(t1, t2))
         fetched = rref.to_here()
-        # (remote() records its result's send function, to_here() the fetched value's)
-        want = ["reach", "leaves", "reach", "reach"]
-        assert wait_until(lambda: prepared(context_id) == want, 10), prepared(context_id)
+        assert prepared(context_id)[:2] == want
         loss = (product * remote_param + fetched).sum()
         dist_autograd.backward(context_id, [loss])
         expected = _reference([t1, t2], lambda a, b: (a * b * param + (a + b)).sum())

@@ -48,7 +48,8 @@ class IncomingRequest:
     reply is handed to the link (or queued to ride), before the request counts as
     served, and an error it raises is logged. A handler whose outcome is a future has it
     run at once. (Notifications riding on another message go to inline handlers, which
-    do not set it.)
+    do not set it.) A call's serving hooks may add work of their own after the
+    handler's (``CallRecord.after_reply``).
     """
 
     kind: MessageKind
@@ -85,9 +86,12 @@ def encode_reply(receiver_rank: int, value: Any) -> EncodedReply:
 class CallRecord:
     """One call as call hooks see it: on the caller before sending, on the callee while serving.
 
-    ``after_reply``: set by a hook's ``serving`` scope on the callee for bookkeeping its
-    reply need not wait for; it runs as :attr:`IncomingRequest.after_reply` does (after
-    the request's own, if both are set).
+    ``after_reply``: set by a hook's ``serving`` scope on the callee (one hook: a second
+    would have to chain) for work that may as well be done later and that the reply
+    need not wait for. A plain call (CALL, served on the pool) runs it as
+    :attr:`IncomingRequest.after_reply`, after the request's own; elsewhere (a
+    ``remote()`` creation, an RRef fetch, which may be served inline on a receiving
+    thread) it is dropped, so it must be work that is also done when needed.
     """
 
     peer: WorkerInfo

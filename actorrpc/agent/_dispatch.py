@@ -82,9 +82,9 @@ _CALL_KINDS = frozenset(
 
 
 def _leave_after_reply(work: Callable[[], None], request: IncomingRequest | None) -> None:
-    """``work`` for after ``request``'s reply (after the request's own such work), or now."""
+    """``work`` for after ``request``'s reply (after the request's own such work); dropped
+    when no request carries it (see ``CallRecord.after_reply``)."""
     if request is None:
-        work()
         return
     first = request.after_reply
     if first is None:
@@ -156,7 +156,7 @@ class MessageDispatcher(ReplySettling):
         """Run ``run(call)`` inside every hook's ``serving`` scope; return the call's result.
 
         Work a scope leaves in ``call.after_reply`` goes to ``request`` (run after its
-        reply left), or runs now when no request is given.
+        reply left); without a request it is dropped.
         """
         record = CallRecord(sender, meta, args, kwargs)
         if not meta and not self.serving_without_meta:  # no hook has anything to do

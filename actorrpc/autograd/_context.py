@@ -99,8 +99,8 @@ class SendFunction:
     shapes: tuple[torch.Size, ...]  # the tensors' shapes when sent (check the gradients)
     edges: tuple[GradientEdge, ...] | None  # None until needed, for a message of leaves
     reach: Reach | None = None  # cached reach of the edges (the graph below never changes)
-    # the leaves the edges lead to (set by ``of`` for a message of leaves, else cached
-    # on first use); () if some edge leads elsewhere (None: not looked at yet)
+    # the leaves the edges lead to (set by ``of`` for a message of leaves, else by
+    # ``prepare``); () if some edge leads elsewhere (None: not looked at yet)
     leaves: tuple[torch.Tensor, ...] | None = None
     aliases: tuple[torch.Tensor, ...] | None = None  # made by ``node`` (introspection only)
 
@@ -114,9 +114,10 @@ class SendFunction:
 
     def prepare(self) -> None:
         """Work out what a pass from here needs: the leaves the edges lead to, else the
-        reach of the graph below and the pass's inputs. Once; the callee of a call does
-        it after its reply left, while the caller computes (the graph below a send
-        function never changes, and two threads preparing at once write the same)."""
+        reach of the graph below and the pass's inputs. Once, when a pass first needs it;
+        the callee of a plain call does it earlier, after its reply was handed to the
+        link (or queued to ride), while the caller computes. (The graph below a send
+        function never changes, and two threads preparing at once write the same.)"""
         if self.leaves is None:
             self.leaves = leaves_of_edges(self.roots) or ()
         if not self.leaves:

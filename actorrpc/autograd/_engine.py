@@ -13,6 +13,9 @@ Forward (a call hook on every RPC made inside a context):
   the caller's reply transform gives the same tensors a recv function under that
   id. (The result itself is not wrapped: ``remote()`` stores it as the RRef value,
   and a ``to_here()`` fetch then records its own pair, keyed by the fetch's id.)
+  A plain call's callee works out the pass that send function will start (its leaves,
+  or the reach of the graph below) after the reply left, while the caller computes:
+  the backward message then finds it done (``SendFunction.prepare``).
 
 Backward is a message-driven graph traversal keyed by context id:
 
@@ -109,7 +112,7 @@ KEY_CONTEXT = "autograd_context_id"
 KEY_MESSAGE = "autograd_message_id"
 KEY_RESPONSE = "autograd_response_id"
 _EXTENSION = "autograd"
-PREPARE_AFTER_REPLY = True
+PREPARE_AFTER_REPLY = True  # (a switch for same-run A/Bs: benchmarks/ab_switch.py)
 
 
 def _failed(exc: BaseException) -> CallResult[Any]:

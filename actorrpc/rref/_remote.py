@@ -188,9 +188,7 @@ def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
                 state.set_error(failure)
             _release_self_owner(ctx, rref_id, fork_id)
             if failure is None:
-                reply.set_result(
-                    _created_reply(agent, request, lambda: state.wait(0), deferred=True)
-                )
+                reply.set_result(_created_reply(agent, request, lambda: state.wait(0)))
             else:  # a copy: ``reply`` must not hold the exception the state holds
                 reply.set_exception(copy_exception(failure))
 
@@ -206,18 +204,17 @@ def _handle_remote_call(agent: Agent, request: IncomingRequest) -> Any:
 
 
 def _created_reply(
-    agent: Agent, request: IncomingRequest, created: Callable[[], Any], deferred: bool = False
+    agent: Agent, request: IncomingRequest, created: Callable[[], Any]
 ) -> Any:
     """The answer to a creation that succeeded: None, or for REMOTE_CALL_FETCH the value,
     ``created()`` (served as a fetch that arrived before the value existed would be,
-    right now; ``deferred`` as for :func:`_serve_value`)."""
+    right now)."""
     if request.kind != MessageKind.REMOTE_CALL_FETCH:
         return None
     try:  # encoded here: a value that cannot be pickled fails the fetch, not the creation
         sender = request.sender
         if agent.serving_without_meta:  # served as any fetch (a hook serves calls without meta)
-            value = agent.serve(sender, {}, (), {}, lambda call: created(),
-                                None if deferred else request)
+            value = agent.serve(sender, {}, (), {}, lambda call: created())
         else:
             value = created()
         return encode_reply(sender.id, value)
@@ -374,7 +371,7 @@ class _Fetch:
             reply.set_result(FetchFailure(pack_exception(error, repr(agent.info))))
             return
         try:
-            value = _serve_value(agent, request, self.meta, state, deferred=True)
+            value = _serve_value(agent, request, self.meta, state)
         except BaseException as exc:  # noqa: BLE001 - a hook failed: the caller gets it
             reply.set_result(FetchFailure(pack_exception(exc, repr(agent.info))))
             return
@@ -417,15 +414,9 @@ def _handle_fetch(agent: Agent, request: IncomingRequest) -> Any:
     return reply
 
 
-def _serve_value(agent: Agent, request: IncomingRequest, meta: Any, state: OwnerState,
-                 deferred: bool = False) -> Any:
-    """The created value, returned inside the call hooks' serving scopes (a fetch's reply).
-
-    ``deferred``: the request's handler returned already (its ``after_reply`` ran), so
-    work the scopes leave for after the reply runs now.
-    """
-    return agent.serve(request.sender, meta, (), {}, lambda call: state.wait(0),
-                       None if deferred else request)
+def _serve_value(agent: Agent, request: IncomingRequest, meta: Any, state: OwnerState) -> Any:
+    """The created value, returned inside the call hooks' serving scopes (a fetch's reply)."""
+    return agent.serve(request.sender, meta, (), {}, lambda call: state.wait(0))
 
 
 def _fetch_payload(payload: Any) -> tuple[RRefId, dict[str, Any], float]:
