@@ -15,6 +15,7 @@ the local LSTM's forward and backward are the same for both backends.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -72,9 +73,9 @@ def stack_of(backend: str, rpc: ModuleType, dist_autograd: ModuleType) -> Stack:
     return Stack(rpc, dist_autograd, RemoteModule, DistributedOptimizer)
 
 
-def train_step_times(stack: Stack, peer: str, warmup: int, n: int) -> list[float]:
-    """Durations (s) of ``n`` training steps after ``warmup`` untimed ones; checks that
-    the loss falls (the parameters really are updated on both workers)."""
+def make_train_step(stack: Stack, peer: str) -> tuple[Callable[[], None], list[float]]:
+    """The model (its tables and decoder on ``peer``) and one training step of it; the
+    list gets each step's loss."""
     embedding = stack.remote_module(f"{peer}/cpu", EmbeddingTable)
     torch.manual_seed(2)
     lstm = nn.LSTM(NINP, NHID, NLAYERS)
@@ -101,6 +102,13 @@ def train_step_times(stack: Stack, peer: str, warmup: int, n: int) -> list[float
             optimizer.step(context_id)
         losses.append(loss.detach().item())
 
+    return step, losses
+
+
+def train_step_times(stack: Stack, peer: str, warmup: int, n: int) -> list[float]:
+    """Durations (s) of ``n`` training steps after ``warmup`` untimed ones; checks that
+    the loss falls (the parameters really are updated on both workers)."""
+    step, losses = make_train_step(stack, peer)
     times = []
     clock = time.perf_counter
     for index in range(warmup + n):

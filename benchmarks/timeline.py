@@ -1,6 +1,6 @@
 """The median timeline of one call, both workers on one clock: where its time goes.
 
-    python benchmarks/timeline.py [--mode sync|remote|echo|autograd] [--n 2000] [--pin]
+    python benchmarks/timeline.py [--mode sync|remote|echo|autograd|train|rref] [--n 2000] [--pin]
                                   [--probe MODULE:QUALNAME ...]
 
 Two spawned actorrpc workers on this host (so ``time.perf_counter`` is one clock);
@@ -11,7 +11,9 @@ entered, ``s`` when it returns), every message received (``R``, when
 end of ``MessageDispatcher._serve``) and every user function run (``U``/``u``).
 Events are prefixed ``A`` (the caller) or ``B`` (the callee) and carry the message
 kind (``MessageKind`` value: 1 CALL, 2 RESPONSE, 4 REMOTE_CALL, 5 RREF_FETCH,
-8 RREF_USER_DELETE, 9 backward, 10 AUTOGRAD_CLEANUP; ``echo`` sends 1 MiB). Iterations are
+8 RREF_USER_DELETE, 9 backward, 10 AUTOGRAD_CLEANUP; ``echo`` sends 1 MiB; ``train`` is
+one step of bench_rpc.py's RNN tutorial training step, ``benchmarks/_training.py``; ``rref``
+passes an RRef to its owner). Iterations are
 grouped by their sequence of events and, for the most common sequences, the median time of
 each event since the iteration began is printed. ``--probe module:Class.method`` (repeatable)
 adds events on entering (``P``) and leaving (``p``) any function; ``kind`` is then the
@@ -114,7 +116,9 @@ def _record_probes(probes: list[str]) -> None:
         original = getattr(owner, name)
         static = isinstance(owner, type) and isinstance(vars(owner).get(name), staticmethod)
 
-        def recorded(*args: Any, __original: Any = original, __index: int = index, **kwargs: Any) -> Any:
+        def recorded(
+            *args: Any, __original: Any = original, __index: int = index, **kwargs: Any
+        ) -> Any:
             events.append((clock(), "P", __index))
             try:
                 return __original(*args, **kwargs)
@@ -124,7 +128,29 @@ def _record_probes(probes: list[str]) -> None:
         setattr(owner, name, staticmethod(recorded) if static else recorded)
 
 
+_TRAIN_STEP: list[Any] = []  # the train mode's step, made on first use
+
+
+def _train_step(rpc: Any) -> None:
+    if not _TRAIN_STEP:
+        from _training import make_train_step, stack_of
+
+        import actorrpc.autograd as dist_autograd
+
+        _TRAIN_STEP.append(make_train_step(stack_of("actorrpc", rpc, dist_autograd), "worker1")[0])
+    _TRAIN_STEP[0]()
+
+
+_OWNED_BY_PEER: list[Any] = []  # the rref mode's RRef, made on first use
+
+
 def _one_call(rpc: Any, mode: str) -> Any:
+    if mode == "train":
+        return _train_step(rpc)
+    if mode == "rref":
+        if not _OWNED_BY_PEER:
+            _OWNED_BY_PEER.append(rpc.remote("worker1", echo, args=(1,)))
+        return rpc.rpc_sync("worker1", noop, args=(_OWNED_BY_PEER[0],))
     if mode == "remote":
         return rpc.remote("worker1", noop, args=(1,)).to_here()
     if mode == "echo":
@@ -160,6 +186,7 @@ def _print_timeline(starts: list[float], events: list[tuple[float, str, int]]) -
 def _worker(rank: int, port: int, mode: str, n: int, pin: bool, probes: list[str]) -> None:
     if pin:
         os.sched_setaffinity(0, {rank})
+        torch.set_num_threads(1)  # (as bench_rpc.py pins: two threads on one CPU wait)
     _record_events()
     _record_probes(probes)
     import actorrpc as rpc
@@ -187,7 +214,9 @@ def _worker(rank: int, port: int, mode: str, n: int, pin: bool, probes: list[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("sync", "remote", "echo", "autograd"), default="sync")
+    parser.add_argument(
+        "--mode", choices=("sync", "remote", "echo", "autograd", "train", "rref"), default="sync"
+    )
     parser.add_argument("--n", type=int, default=2000)
     parser.add_argument("--pin", action="store_true", help="pin rank r to CPU r")
     parser.add_argument("--port", type=int, default=29771)
