@@ -21,8 +21,9 @@ Modes: ``sync`` (rpc_sync of a no-op), ``remote`` (remote().to_here()), ``rebind
 before), ``autograd`` (bench_rpc's iteration), ``async`` (windows of 500 rpc_async,
 each future waited on in turn), ``async_all`` (the same, waited on with
 ``torch.futures.wait_all`` as bench_rpc does: the replies are taken by the agent's I/O
-thread while the caller blocks in C++) and ``tensor`` (rpc_sync of ``torch.add`` on two
-64x64 tensors, outside autograd). Figures are in docs/performance.md.
+thread while the caller blocks in C++), ``tensor`` (rpc_sync of ``torch.add`` on two
+64x64 tensors, outside autograd) and ``rref`` (rpc_sync passing an RRef to its owner).
+Figures are in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ from _common import ensure_repo_on_path, free_port
 
 ensure_repo_on_path()
 
-MODES = ("sync", "remote", "rebind", "autograd", "async", "async_all", "tensor")
+MODES = ("sync", "remote", "rebind", "autograd", "async", "async_all", "tensor", "rref")
 _BLOCK_CALLS = {"sync": 300, "remote": 250, "rebind": 250, "autograd": 120, "async": 2000,
-                "async_all": 2000, "tensor": 250}
+                "async_all": 2000, "tensor": 250, "rref": 300}
 _THROUGHPUT_MODES = ("async", "async_all")
 _REBOUND: dict[str, Any] = {}
 _ASYNC_WINDOW = 500
@@ -94,6 +95,10 @@ def _one_call(rpc: Any, mode: str) -> None:
         _REBOUND["rref"].to_here()
     elif mode == "tensor":
         rpc.rpc_sync("worker1", torch.add, args=(_TENSORS[0], _TENSORS[1]))
+    elif mode == "rref":  # an RRef passed to its owner
+        if "owned" not in _REBOUND:
+            _REBOUND["owned"] = rpc.remote("worker1", noop, args=(1,))
+        rpc.rpc_sync("worker1", noop, args=(_REBOUND["owned"],))
     else:
         import actorrpc.autograd as dist_autograd
 

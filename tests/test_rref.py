@@ -1361,3 +1361,36 @@ def test_queued_deletes_are_sent_alone_when_no_message_follows(cluster):
         threading.Event().wait(0.005)
     # it left before this call, on the same link: the owner applied it first
     assert rpc.rpc_sync("worker1", debug_info)["num_owner_rrefs"] == before
+
+
+def _sum_local_values(rrefs: list[rpc.RRef]) -> Any:
+    return sum(rref.local_value() for rref in rrefs)
+
+
+def _send_back_to_owner(rrefs: list[rpc.RRef]) -> Any:
+    """On a user: pass RRefs to their owner, worker0, in a call."""
+    return rpc.rpc_sync("worker0", _sum_local_values, args=(rrefs,))
+
+
+def test_an_owner_accepts_a_users_rref_with_a_notification(cluster, monkeypatch):
+    """A user's RRef sent to its owner: the owner's RREF_CHILD_ACCEPT is a notification
+    (no reply to wait for or send), and the user lets the parent go when it arrives."""
+    from actorrpc.agent import current_agent
+    from actorrpc.protocol import MessageKind
+
+    agent = current_agent()
+    requested: list[MessageKind] = []
+    send_request = agent.send_request
+
+    def recording(dest: Any, kind: MessageKind, *args: Any, **kwargs: Any) -> Any:
+        requested.append(kind)
+        return send_request(dest, kind, *args, **kwargs)
+
+    monkeypatch.setattr(agent, "send_request", recording)
+    rrefs = [rpc.RRef(i) for i in range(5)]  # owned here; worker1 gets confirmed users
+    assert rpc.rpc_sync("worker1", _send_back_to_owner, args=(rrefs,)) == 10
+    wait_for(lambda: tables("worker1")["num_pending_children"] == 0 or None,
+             "worker1's parents let go", WAIT)
+    assert MessageKind.RREF_CHILD_ACCEPT not in requested, requested
+    del rrefs
+    wait_tables_empty()

@@ -61,7 +61,9 @@ tuple in the table below) carrying the same message id, except a request
 with message id 0: that is a *notification* and is never answered
 (``RREF_USER_DELETE``, ``AUTOGRAD_CLEANUP``, ``SHM_RELEASE`` and
 ``REPLY_UNDECODED`` are sent as notifications, usually riding on another message,
-see below, and the last ``MEMBERSHIP`` message of a leaving worker). Payloads are pickled tuples:
+see below; ``RREF_CHILD_ACCEPT`` as a notification of its own, which a worker still
+answers when it comes as a request; and the last ``MEMBERSHIP`` message of a leaving
+worker). Payloads are pickled tuples:
 
 ========================  ==  ============================================================
 kind                      id  payload

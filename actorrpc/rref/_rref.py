@@ -7,7 +7,8 @@ Sharing cases (A, B, C are workers; B owns the value):
    confirms A's user.
 2. A user on A sends its RRef to the owner B: A keeps the parent in
    ``pending_children`` under a new fork id; B resolves it to its owner RRef and
-   sends RREF_CHILD_ACCEPT to A.
+   sends RREF_CHILD_ACCEPT to A (a notification from B's I/O thread: nobody waits
+   for an answer, and A has none to send).
 3. The owner B sends its RRef to C: B registers the fork before sending (early
    registration); C's user is confirmed at once. B sending to itself also
    registers a fork, dropped when the message arrives, so the value survives
@@ -53,6 +54,9 @@ __all__ = ["RRef", "rref_context"]
 
 T = TypeVar("T")
 _log = logging.getLogger("actorrpc.rref")
+# RREF_CHILD_ACCEPT as a request answered by the parent (torch's way) instead of a
+# notification: a switch for same-run A/Bs (benchmarks/ab_switch.py)
+CHILD_ACCEPT_REPLIED = False
 
 
 def rref_context(agent: Agent | None = None) -> RRefContext:
@@ -504,8 +508,12 @@ def _rebuild_rref(
 
 
 def send_child_accept(agent: Agent, parent: int, fork_id: RRefId) -> None:
-    """Send RREF_CHILD_ACCEPT(fork_id) to ``parent`` (best effort)."""
+    """Send RREF_CHILD_ACCEPT(fork_id) to ``parent`` (best effort; if ``CHILD_ACCEPT_REPLIED``
+    is false, as a notification: nobody waits for its answer)."""
     try:
+        if not CHILD_ACCEPT_REPLIED:
+            agent.send_notification(parent, MessageKind.RREF_CHILD_ACCEPT, (fork_id,))
+            return
         agent.send_request(
             agent.resolve(parent), MessageKind.RREF_CHILD_ACCEPT, (fork_id,),
             description="RRef child accept",
