@@ -221,31 +221,61 @@ def test_a_ticket_freed_under_the_proxy_lock_only_queues_its_skip() -> None:
         ctx.early_skips.pop((never, 1), None)
 
 
-def test_work_a_serving_scope_leaves_runs_after_the_requests_own() -> None:
-    """``CallRecord.after_reply`` goes after the request's own ``after_reply`` (both run,
-    even when the first raises); with no request to carry it, it is dropped."""
-    from actorrpc.agent._calls import IncomingRequest
-    from actorrpc.agent._dispatch import _leave_after_reply
-    from actorrpc.protocol import MessageKind
 
-    ran: list[str] = []
-    request = IncomingRequest(MessageKind.CALL, current_agent().info, 7, None)
-    _leave_after_reply(lambda: ran.append("scope"), request)
-    assert ran == [] and request.after_reply is not None
-    request.after_reply()
-    assert ran == ["scope"]
+class _Dispatcher:
+    """What ``MessageDispatcher._finish_request`` uses of a dispatcher, recording."""
 
-    def failing() -> None:
-        ran.append("request")
-        raise ValueError("registration failed")
+    def __init__(self, waiting_requests: int, send_fails: bool = False) -> None:
+        from types import SimpleNamespace
 
-    ran.clear()
-    request.after_reply = failing
-    _leave_after_reply(lambda: ran.append("scope"), request)
-    with pytest.raises(ValueError, match="registration failed"):
-        request.after_reply()
-    assert ran == ["request", "scope"]
+        self.events: list[str] = []
+        self._inflight_lock = threading.Lock()
+        self._inflight = 1
+        self._serving: dict[Any, Any] = {}
+        self._unstarted = {1: waiting_requests}  # another request of worker 1 waits: rides
+        self._pool = SimpleNamespace(on_pool_thread=lambda: True)
+        self.riders = SimpleNamespace(add_reply=lambda *args: self.events.append("rides"))
+        self.name = "stub"
+        self._send_fails = send_fails
 
-    ran.clear()
-    _leave_after_reply(lambda: ran.append("dropped"), None)
-    assert ran == []
+    def _send(self, *args: Any) -> None:
+        if self._send_fails:
+            raise OSError("link gone")
+        self.events.append("sent")
+
+    def _reply_exception(self, *args: Any) -> None:
+        self.events.append("error reply")
+
+    def _reply(self, *args: Any) -> bool:
+        from actorrpc.agent._dispatch import MessageDispatcher
+
+        return MessageDispatcher._reply(self, *args)  # type: ignore[arg-type]
+
+    def _run_after_reply(self, work: Any) -> None:
+        from actorrpc.agent._dispatch import MessageDispatcher
+
+        MessageDispatcher._run_after_reply(self, work)  # type: ignore[arg-type]
+
+
+def test_a_serving_scopes_work_runs_only_after_a_reply_that_left() -> None:
+    """``optional_after_reply`` (a call hook's ``CallRecord.after_reply``) runs after the
+    request's own ``after_reply`` once the reply was handed to the link; it is dropped
+    when the reply waits to ride on a later message (nothing may hold it back) or could
+    not be sent, and for a failed request."""
+    from actorrpc.agent._dispatch import Failure, MessageDispatcher
+
+    def finish(dispatcher: _Dispatcher, outcome: Any) -> list[str]:
+        MessageDispatcher._finish_request(
+            dispatcher, 1, 7, outcome,  # type: ignore[arg-type]
+            lambda: dispatcher.events.append("after"),
+            lambda: dispatcher.events.append("optional"),
+        )
+        assert dispatcher._inflight == 0
+        return dispatcher.events
+
+    assert finish(_Dispatcher(waiting_requests=0), 42) == ["sent", "after", "optional"]
+    assert finish(_Dispatcher(waiting_requests=2), 42) == ["rides", "after"]
+    failed = _Dispatcher(waiting_requests=0, send_fails=True)
+    assert finish(failed, 42) == ["error reply", "after"]
+    errored = Failure(ValueError("the function raised"), None)
+    assert finish(_Dispatcher(waiting_requests=0), errored) == ["error reply", "after"]

@@ -549,12 +549,14 @@ class Agent(MessageDispatcher):
         return worker_snapshot(self)
 
     def idle(self) -> bool:
-        """No call pending (PINGs aside), no request being served, no notification queued."""
+        """No call pending (PINGs aside), no request being served, no notification queued
+        (to ride, or as I/O thread work such as an RRef child accept)."""
         return (
             len(self._pending) <= self.liveness.pings_in_flight()
             and self._inflight == 0
             and not self.riders.queued
             and not self.riders.waiting
+            and self._soon.empty()
         )
 
     def wait_idle(self, deadline: float) -> bool:

@@ -48,8 +48,12 @@ class IncomingRequest:
     reply is handed to the link (or queued to ride), before the request counts as
     served, and an error it raises is logged. A handler whose outcome is a future has it
     run at once. (Notifications riding on another message go to inline handlers, which
-    do not set it.) A call's serving hooks may add work of their own after the
-    handler's (``CallRecord.after_reply``).
+    do not set it.)
+
+    ``optional_after_reply``: work a call's serving hooks left (``CallRecord.after_reply``):
+    run after ``after_reply`` when the reply was handed to the link; dropped when the
+    reply waits to ride on a later message (nothing may hold it back), when it failed,
+    and for a handler whose outcome is a future.
     """
 
     kind: MessageKind
@@ -57,6 +61,7 @@ class IncomingRequest:
     message_id: int
     payload: Any
     after_reply: Callable[[], None] | None = None
+    optional_after_reply: Callable[[], None] | None = None
 
 
 Handler = Callable[[IncomingRequest], Any]
@@ -89,9 +94,9 @@ class CallRecord:
     ``after_reply``: set by a hook's ``serving`` scope on the callee (one hook: a second
     would have to chain) for work that may as well be done later and that the reply
     need not wait for. A plain call (CALL, served on the pool) runs it as
-    :attr:`IncomingRequest.after_reply`, after the request's own; elsewhere (a
-    ``remote()`` creation, an RRef fetch, which may be served inline on a receiving
-    thread) it is dropped, so it must be work that is also done when needed.
+    :attr:`IncomingRequest.optional_after_reply`; elsewhere (a ``remote()`` creation, an
+    RRef fetch, which may be served inline on a receiving thread) it is dropped, so it
+    must be work that is also done when needed.
     """
 
     peer: WorkerInfo

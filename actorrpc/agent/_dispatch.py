@@ -81,25 +81,6 @@ _CALL_KINDS = frozenset(
 )
 
 
-def _leave_after_reply(work: Callable[[], None], request: IncomingRequest | None) -> None:
-    """``work`` for after ``request``'s reply (after the request's own such work); dropped
-    when no request carries it (see ``CallRecord.after_reply``)."""
-    if request is None:
-        return
-    first = request.after_reply
-    if first is None:
-        request.after_reply = work
-        return
-
-    def both() -> None:
-        try:
-            first()
-        finally:
-            work()
-
-    request.after_reply = both
-
-
 def _request_name(kind: MessageKind, payload: Any) -> str:
     """A served request in words: its function's name for a call, else its kind."""
     if kind in _CALL_KINDS and isinstance(payload, tuple):
@@ -155,8 +136,8 @@ class MessageDispatcher(ReplySettling):
     ) -> Any:
         """Run ``run(call)`` inside every hook's ``serving`` scope; return the call's result.
 
-        Work a scope leaves in ``call.after_reply`` goes to ``request`` (run after its
-        reply left); without a request it is dropped.
+        Work a scope leaves in ``call.after_reply`` goes to ``request`` (its
+        ``optional_after_reply``); without a request it is dropped.
         """
         record = CallRecord(sender, meta, args, kwargs)
         if not meta and not self.serving_without_meta:  # no hook has anything to do
@@ -176,18 +157,20 @@ class MessageDispatcher(ReplySettling):
                 for scope in scopes:
                     stack.enter_context(scope)
                 record.result = run(record)
-        if record.after_reply is not None:
-            _leave_after_reply(record.after_reply, request)
+        if request is not None and record.after_reply is not None:
+            request.optional_after_reply = record.after_reply
         return record.result
 
     # -- replying -----------------------------------------------------------------------------
 
-    def _reply(self, sender: int, message_id: int, value: Any) -> None:
+    def _reply(self, sender: int, message_id: int, value: Any) -> bool:
+        """Answer with ``value``; True if the reply was handed to the link (not queued to
+        ride on a later message, nor replaced by an error)."""
         try:  # (a handler may have pickled its reply itself)
             encoded = value if type(value) is EncodedReply else encode_reply(sender, value)
         except BaseException as exc:  # noqa: BLE001 - its side effects are undone already
             self._reply_exception(sender, message_id, exc)  # the error goes back instead
-            return
+            return False
         target = encoded.target
         if (
             not encoded.buffers and target is None
@@ -195,11 +178,12 @@ class MessageDispatcher(ReplySettling):
             and self._unstarted.get(sender) and self._pool.on_pool_thread()
         ):  # another request of ``sender`` waits: this reply rides on the next message to it
             self.riders.add_reply(sender, message_id, encoded.body)
-            return
+            return False
         try:
             if target is not None:  # before sending: REPLY_UNDECODED may come at once
                 self._replies_with_forks.remember((sender, message_id), target)
             self._send(sender, MessageKind.RESPONSE, message_id, encoded.body, encoded.buffers)
+            return True
         except BaseException as exc:  # noqa: BLE001 - nothing was sent
             if target is not None:  # (it was remembered) undo what pickling registered
                 self._replies_with_forks.take((sender, message_id))
@@ -208,6 +192,7 @@ class MessageDispatcher(ReplySettling):
                 _log.warning("%s: cannot reply to worker %s: it is unreachable", self.name, sender)
             else:  # the error goes to the caller instead
                 self._reply_exception(sender, message_id, exc)
+            return False
 
     def _reply_exception(
         self,
@@ -228,6 +213,7 @@ class MessageDispatcher(ReplySettling):
     def _finish_request(
         self, sender: int, message_id: int, outcome: Any,
         after_reply: Callable[[], None] | None = None,
+        optional_after_reply: Callable[[], None] | None = None,
     ) -> None:
         if message_id == 0:  # a notification: never answered
             try:
@@ -250,14 +236,18 @@ class MessageDispatcher(ReplySettling):
                     )
                 return
             if isinstance(outcome, Failure):
+                optional_after_reply = None
                 self._reply_exception(sender, message_id, outcome.error, outcome.undecoded)
-            else:
-                self._reply(sender, message_id, outcome)
+            elif not self._reply(sender, message_id, outcome):
+                optional_after_reply = None  # (it rides: nothing may hold it back)
         except BaseException as exc:  # noqa: BLE001
+            optional_after_reply = None
             self._reply_exception(sender, message_id, exc)
         try:
             if after_reply is not None:
                 self._run_after_reply(after_reply)
+            if optional_after_reply is not None:
+                self._run_after_reply(optional_after_reply)
         finally:  # (the request counts as served whatever happens)
             self._serving.pop((sender, message_id), None)
             with self._inflight_lock:
@@ -328,8 +318,11 @@ class MessageDispatcher(ReplySettling):
                 nbytes = sum(memoryview(p).nbytes for p in parts)
                 outcome_name = "error" if isinstance(outcome, Failure) else "ok"
                 self.tracer.served(sender.id, message_id, what, nbytes, started, outcome_name)
-            self._finish_request(sender.id, message_id, outcome,
-                                 None if request is None else request.after_reply)
+            if request is None:
+                self._finish_request(sender.id, message_id, outcome)
+            else:
+                self._finish_request(sender.id, message_id, outcome, request.after_reply,
+                                     request.optional_after_reply)
         finally:
             if later is not None:
                 self.serve_deferred(later)

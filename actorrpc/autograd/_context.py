@@ -116,8 +116,9 @@ class SendFunction:
         """Work out what a pass from here needs: the leaves the edges lead to, else the
         reach of the graph below and the pass's inputs. Once, when a pass first needs it;
         the callee of a plain call does it earlier, after its reply was handed to the
-        link (or queued to ride), while the caller computes. (The graph below a send
-        function never changes, and two threads preparing at once write the same.)"""
+        link (not when the reply waits to ride on a later message), while the caller
+        computes. (The graph below a send function never changes, and two threads
+        preparing at once write the same.)"""
         if self.leaves is None:
             self.leaves = leaves_of_edges(self.roots) or ()
         if not self.leaves:

@@ -25,7 +25,7 @@ import logging
 import operator
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -309,7 +309,9 @@ class Reach:
 
     leaves: list[torch.Tensor]
     recvs: list[Any]
-    _inputs: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+    _inputs: tuple[tuple[Any, ...], tuple[Any, ...]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def pass_inputs(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """Where a pass over this reach asks for gradients (the leaves, then each recv

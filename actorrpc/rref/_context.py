@@ -4,7 +4,7 @@
 protocol transition as a method. It never touches sockets: control messages it
 wants sent go through the ``send_control(dest_rank, kind, payload)`` callable it
 was built with (the agent plug-in in ``_remote.py`` turns them into
-RREF_USER_DELETE / RREF_CHILD_ACCEPT requests; the unit tests into an in-memory
+RREF_USER_DELETE / RREF_CHILD_ACCEPT notifications; the unit tests into an in-memory
 list). The only request with a reply, RREF_FORK_REQUEST, is sent by the caller
 of :meth:`RRefContext.receive_user` when it returns ``True``; its ack is fed back
 through :meth:`RRefContext.fork_acknowledged`.

@@ -15,8 +15,8 @@ Sharing cases (A, B, C are workers; B owns the value):
    the trip even if every other handle is dropped meanwhile.
 4. A user on A sends its RRef to C: A keeps the parent in ``pending_children``;
    C makes a pending user and sends RREF_FORK_REQUEST to B; on B's ack C is
-   confirmed and sends RREF_CHILD_ACCEPT to A. C runs the called function only
-   after the ack.
+   confirmed and sends RREF_CHILD_ACCEPT to A (a notification, from C's I/O thread).
+   C runs the called function only after the ack.
 """
 
 from __future__ import annotations
