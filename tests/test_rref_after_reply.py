@@ -262,14 +262,17 @@ def test_a_serving_scopes_work_runs_only_after_a_reply_that_left() -> None:
     request's own ``after_reply`` once the reply was handed to the link; it is dropped
     when the reply waits to ride on a later message (nothing may hold it back) or could
     not be sent, and for a failed request."""
+    from actorrpc.agent._calls import IncomingRequest
     from actorrpc.agent._dispatch import Failure, MessageDispatcher
+    from actorrpc.protocol import MessageKind
 
     def finish(dispatcher: _Dispatcher, outcome: Any) -> list[str]:
-        MessageDispatcher._finish_request(
-            dispatcher, 1, 7, outcome,  # type: ignore[arg-type]
-            lambda: dispatcher.events.append("after"),
-            lambda: dispatcher.events.append("optional"),
+        request = IncomingRequest(
+            MessageKind.CALL, current_agent().info, 7, None,
+            after_reply=lambda: dispatcher.events.append("after"),
+            optional_after_reply=lambda: dispatcher.events.append("optional"),
         )
+        MessageDispatcher._finish_request(dispatcher, 1, 7, outcome, request)  # type: ignore[arg-type]
         assert dispatcher._inflight == 0
         return dispatcher.events
 

@@ -211,10 +211,12 @@ class MessageDispatcher(ReplySettling):
             _log.exception("%s: cannot send an error reply to worker %s", self.name, sender)
 
     def _finish_request(
-        self, sender: int, message_id: int, outcome: Any,
-        after_reply: Callable[[], None] | None = None,
-        optional_after_reply: Callable[[], None] | None = None,
+        self, sender: int, message_id: int, outcome: Any, request: IncomingRequest | None = None
     ) -> None:
+        """Answer the request (unless a notification), then run the work ``request`` left
+        for after its reply (``after_reply``; ``optional_after_reply`` only if the reply
+        left now)."""
+        after_reply = None if request is None else request.after_reply
         if message_id == 0:  # a notification: never answered
             try:
                 if isinstance(outcome, Failure):
@@ -225,6 +227,7 @@ class MessageDispatcher(ReplySettling):
                 with self._inflight_lock:
                     self._inflight -= 1
             return
+        sent = False  # the reply was handed to the link now (not queued to ride, no error)
         try:
             if isinstance(outcome, (torch._C.Future, CallResult)):  # served until it completes
                 try:
@@ -236,18 +239,16 @@ class MessageDispatcher(ReplySettling):
                     )
                 return
             if isinstance(outcome, Failure):
-                optional_after_reply = None
                 self._reply_exception(sender, message_id, outcome.error, outcome.undecoded)
-            elif not self._reply(sender, message_id, outcome):
-                optional_after_reply = None  # (it rides: nothing may hold it back)
+            else:
+                sent = self._reply(sender, message_id, outcome)
         except BaseException as exc:  # noqa: BLE001
-            optional_after_reply = None
             self._reply_exception(sender, message_id, exc)
         try:
             if after_reply is not None:
                 self._run_after_reply(after_reply)
-            if optional_after_reply is not None:
-                self._run_after_reply(optional_after_reply)
+            if sent and request is not None and request.optional_after_reply is not None:
+                self._run_after_reply(request.optional_after_reply)
         finally:  # (the request counts as served whatever happens)
             self._serving.pop((sender, message_id), None)
             with self._inflight_lock:
@@ -318,11 +319,7 @@ class MessageDispatcher(ReplySettling):
                 nbytes = sum(memoryview(p).nbytes for p in parts)
                 outcome_name = "error" if isinstance(outcome, Failure) else "ok"
                 self.tracer.served(sender.id, message_id, what, nbytes, started, outcome_name)
-            if request is None:
-                self._finish_request(sender.id, message_id, outcome)
-            else:
-                self._finish_request(sender.id, message_id, outcome, request.after_reply,
-                                     request.optional_after_reply)
+            self._finish_request(sender.id, message_id, outcome, request)
         finally:
             if later is not None:
                 self.serve_deferred(later)
