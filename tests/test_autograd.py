@@ -18,6 +18,7 @@ import torch
 
 import actorrpc as rpc
 import actorrpc.autograd as dist_autograd
+from actorrpc.autograd import _engine as _engine_module
 from actorrpc.errors import DistAutogradError
 
 from ._waiting import wait_until
@@ -464,6 +465,38 @@ def test_a_callees_send_functions_are_worked_out_after_its_reply(workers: list[s
         expected = _reference([t1, t2], lambda a, b: (a * b * param + (a + b)).sum())
         _assert_grads(context_id, [t1, t2], expected)
         del rref
+
+
+@pytest.mark.timeout(60)
+def test_an_initiator_with_one_message_out_waits_on_its_reply_directly(
+    workers: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While one backward message is outstanding (a call's, whose reply hands back one
+    pass), the initiator waits on that reply and runs the pass itself, with no driver;
+    two messages out (two peers) take a driver, and give the same gradients."""
+    drivers: list[Any] = []
+
+    class CountedDriver(_engine_module.PassDriver):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            drivers.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(_engine_module, "PassDriver", CountedDriver)
+    t1, t2 = _leaves((3, 3), (3, 3), seed=31)
+    with dist_autograd.context() as context_id:
+        chained = rpc.rpc_sync("worker1", torch.mul, args=(t1, t2))
+        chained = rpc.rpc_sync("worker1", torch.add, args=(chained, t1))  # a pass, then another
+        dist_autograd.backward(context_id, [chained.sum()])
+        expected = _reference([t1, t2], lambda a, b: (a * b + a).sum())
+        _assert_grads(context_id, [t1, t2], expected)
+    assert drivers == []
+    with dist_autograd.context() as context_id:
+        loss = (rpc.rpc_sync("worker1", torch.mul, args=(t1, t2))
+                + rpc.rpc_sync("worker2", torch.add, args=(t1, t2))).sum()
+        dist_autograd.backward(context_id, [loss])
+        expected = _reference([t1, t2], lambda a, b: (a * b + a + b).sum())
+        _assert_grads(context_id, [t1, t2], expected)
+    assert len(drivers) == 1
 
 
 _stored: list[torch.Tensor] = []

@@ -102,7 +102,7 @@ from ._functions import (
     reach_from,
     replace_tensors,
 )
-from ._pass_driver import Owed, PassDriver, appearing_once
+from ._pass_driver import Owed, PassDriver, appearing_once, checked_reply
 
 __all__ = ["AutogradEngine", "engine_of", "install"]
 
@@ -113,6 +113,7 @@ KEY_MESSAGE = "autograd_message_id"
 KEY_RESPONSE = "autograd_response_id"
 _EXTENSION = "autograd"
 PREPARE_AFTER_REPLY = True  # (a switch for same-run A/Bs: benchmarks/ab_switch.py)
+DRIVE_ONE_DIRECTLY = True  # (likewise)
 
 
 def _failed(exc: BaseException) -> CallResult[Any]:
@@ -248,12 +249,27 @@ class AutogradEngine:
         process-wide, so every later op of the process pays a wake-up per region
         (a 2-layer LSTM's forward and backward ~6x slower, on both cores). A reply
         received on this thread (its turn on the inbox) queues its passes to run
-        after the turn: nothing computes while holding the inbox.
+        after the turn: nothing computes while holding the inbox. While exactly one
+        message is outstanding (the usual chain: one call's backward message, whose
+        reply hands back one pass), this thread waits on its reply directly and runs
+        what it hands back; a :class:`PassDriver` takes over once more is outstanding.
 
         Invariant (no lost wake-up): the waiter is made under ``lock`` before the
         queue is found empty, and whoever queues a pass (or completes the driver)
         completes the waiter current under ``lock`` after it.
         """
+        handed_back: Owed = []
+        while len(futures) == 1 and DRIVE_ONE_DIRECTLY:
+            # One message outstanding and nothing else to run: its reply is all this
+            # worker waits for, so no driver (its error is the first and only one).
+            handed_back, futures = checked_reply(futures[0].wait()), []
+            if len(handed_back) != 1:
+                break
+            (message_id, grads), handed_back = handed_back[0], []
+            futures, _ = self._continue_at(ctx, message_id, grads, retain_graph, pass_id, None,
+                                           appearing_once([grads]))
+        if not futures and not handed_back:
+            return
         lock = threading.Lock()
         queued: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         wake: list[CallResult[Any]] = [CallResult("distributed backward", self.agent)]
@@ -270,6 +286,7 @@ class AutogradEngine:
 
         driver = self._driver(ctx, retain_graph, pass_id, None, submit)
         driver.result.add_done_callback(lambda _: wake_initiator())
+        driver.hand_back(handed_back)  # (before add: it may finish the driver's first unit)
         driver.add(futures, [])
         while True:
             with lock:

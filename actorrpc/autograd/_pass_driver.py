@@ -29,7 +29,7 @@ from typing import Any
 from ..agent import Agent, CallResult, complete
 from ..errors import DistAutogradError
 
-__all__ = ["Owed", "PassDriver", "appearing_once"]
+__all__ = ["Owed", "PassDriver", "appearing_once", "checked_reply"]
 
 Owed = list[tuple[int, list[Any]]]  # (message id of one of the requester's send functions, grads)
 # (message id, grads, ids of the tensors among them that appear once in their message)
@@ -66,17 +66,21 @@ class PassDriver:
         self._record(error)
         self._finish_one()
 
-    def _on_reply(self, future: CallResult[Any]) -> None:
-        handed_back: Owed = []
-        try:
-            handed_back = _checked(future.wait())
-        except BaseException as exc:  # noqa: BLE001 - reported once everything finished
-            self._record(exc)
+    def hand_back(self, handed_back: Owed) -> None:
+        """Gradients handed back to this worker: a local pass for each, through ``submit``."""
         with self._lock:
             self._outstanding += len(handed_back)
         single = appearing_once(grads for _, grads in handed_back)
         for message_id, grads in handed_back:
             self._submit(self._run, message_id, grads, single)
+
+    def _on_reply(self, future: CallResult[Any]) -> None:
+        handed_back: Owed = []
+        try:
+            handed_back = checked_reply(future.wait())
+        except BaseException as exc:  # noqa: BLE001 - reported once everything finished
+            self._record(exc)
+        self.hand_back(handed_back)
         self._finish_one()
 
     def _run(self, message_id: int, grads: list[Any], single: frozenset[int]) -> None:
@@ -116,7 +120,7 @@ def appearing_once(grad_lists: Iterable[list[Any]]) -> frozenset[int]:
     return frozenset(key for key, count in counts.items() if count == 1)
 
 
-def _checked(reply: Any) -> Owed:
+def checked_reply(reply: Any) -> Owed:
     """The gradients a reply hands back (``None``: none), or :class:`DistAutogradError`."""
     if reply is None:
         return []
