@@ -395,7 +395,7 @@ class MessageDispatcher(ReplySettling):
         if header.sender in liveness.dead_peers:
             liveness.heard_from(header.sender, member.name)
         self.stats.bytes_in[header.sender] += (
-            len(frames[0]) if len(frames) == 1 else sum(len(f) for f in frames)
+            len(frames[0]) if len(frames) == 1 else sum(map(len, frames))
         )
         is_response = header.kind in RESPONSE_KINDS
         later: list[tuple[MessageKind, Any]] | None = None  # riders handled after the request

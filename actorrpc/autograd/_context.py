@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,8 @@ __all__ = [
 ID_BITS = 48
 ID_MASK = (1 << ID_BITS) - 1
 MAX_RANK = (1 << 16) - 1
+_SHAPE = operator.attrgetter("shape")
+_IS_LEAF = operator.attrgetter("is_leaf")
 
 _GRAPH_FREED = (
     "Trying to backward through the graph a second time (or directly access saved tensors after "
@@ -107,8 +110,8 @@ class SendFunction:
     @classmethod
     def of(cls, message_id: int, dest: int, tensors: list[torch.Tensor]) -> SendFunction:
         """The send function of ``tensors`` (each requires grad), as the message leaves."""
-        shapes = tuple(t.shape for t in tensors)
-        if all(t.is_leaf for t in tensors):
+        shapes = tuple(map(_SHAPE, tensors))  # (maps: no Python frame per tensor)
+        if all(map(_IS_LEAF, tensors)):
             return cls(message_id, dest, tuple(tensors), shapes, None, leaves=tuple(tensors))
         return cls(message_id, dest, tuple(tensors), shapes, edges_of(tensors))
 
@@ -201,7 +204,8 @@ class DistAutogradContext:
     send_functions: dict[int, SendFunction] = field(default_factory=dict)
     recv_functions: dict[int, RecvFunction] = field(default_factory=dict)
     known_workers: set[int] = field(default_factory=set)
-    grads: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    # id(leaf) -> (leaf, its gradient): keyed by id, as a tensor's own hash is a Python call
+    grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # start point of a local pass (a root node or ("send", message_id)) -> the pass
     # id that ran it without retain_graph; later passes may not run it again.
     spent: dict[Any, int] = field(default_factory=dict)
@@ -273,21 +277,21 @@ class DistAutogradContext:
         with self.lock:
             if self.released:
                 return
-            existing = self.grads.get(leaf)
-            if existing is None:
+            entry = self.grads.get(id(leaf))
+            if entry is None:
                 # later gradients are added into it in place: a copy unless owned (an
                 # engine's gradient may be a caller's tensor, or given to two leaves)
                 # and contiguous (a received expanded gradient keeps its zero strides)
                 keep = owned and not grad.requires_grad and grad.is_contiguous()
-                self.grads[leaf] = grad if keep else grad.detach().clone()
-            elif existing.is_sparse and not grad.is_sparse:
-                self.grads[leaf] = existing + grad  # dense result; rare path
+                self.grads[id(leaf)] = (leaf, grad if keep else grad.detach().clone())
+            elif entry[1].is_sparse and not grad.is_sparse:
+                self.grads[id(leaf)] = (leaf, entry[1] + grad)  # dense result; rare path
             else:
-                existing.add_(grad)
+                entry[1].add_(grad)
 
     def gradients(self) -> dict[torch.Tensor, torch.Tensor]:
         with self.lock:
-            return dict(self.grads)
+            return dict(self.grads.values())
 
     def release(self) -> None:
         """Drop every reference to the graph and the gradients."""

@@ -91,9 +91,8 @@ from ._context import (
     DistAutogradContext,
     RecvFunction,
     SendFunction,
-    current_context_id,
-    set_current_context_id,
 )
+from ._context import _local as _current  # this thread's current context id
 from ._functions import (
     Reach,
     find_grad_tensors,
@@ -144,10 +143,10 @@ def _pass_straight_to_leaves(leaves: tuple[torch.Tensor, ...], grads: list[Any])
     Not when a leaf has tensor hooks (the engine runs them on the gradient), nor
     when a gradient's dtype differs from its leaf's (the engine would cast it).
     """
-    return not any(
-        leaf._backward_hooks or (grad is not None and grad.dtype != leaf.dtype)
-        for leaf, grad in zip(leaves, grads)
-    )
+    for leaf, grad in zip(leaves, grads):  # (a loop: a generator is a frame per item)
+        if leaf._backward_hooks or (grad is not None and grad.dtype != leaf.dtype):
+            return False
+    return True
 
 
 class AutogradEngine:
@@ -165,7 +164,7 @@ class AutogradEngine:
     # -- the call hook (forward recording) ----------------------------------------------------
 
     def before_send(self, call: CallRecord) -> Callable[[Any], Any] | None:
-        context_id = current_context_id()
+        context_id = _current.context_id  # (current_context_id(), without its frame)
         if context_id is None:
             return None
         ctx = self.store.get(context_id)
@@ -215,7 +214,7 @@ class AutogradEngine:
                      received: list[torch.Tensor]) -> Any:
         outputs, node = make_recv_outputs(received, ctx.context_id, message_id, sender)
         ctx.add_recv(RecvFunction(message_id, sender, node, len(outputs)))
-        mapping = {id(t): out for t, out in zip(received, outputs)}
+        mapping = dict(zip(map(id, received), outputs))
         return replace_tensors(value, mapping)
 
     # -- backward ----------------------------------------------------------------------------
@@ -224,8 +223,15 @@ class AutogradEngine:
         """Run a distributed backward pass from ``roots``; returns when every worker is done."""
         ctx = self.store.retrieve(context_id)
         pass_id = self.store.message_ids.next()
-        nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
-        reach = reach_from(nodes, [r for r in roots if r.grad_fn is None])
+        nodes: list[Any] = []
+        root_leaves: list[torch.Tensor] = []
+        for root in roots:
+            grad_fn = root.grad_fn
+            if grad_fn is None:
+                root_leaves.append(root)
+            else:
+                nodes.append(grad_fn)
+        reach = reach_from(nodes, root_leaves)
         grad_outputs = [torch.ones_like(r, memory_format=torch.preserve_format) for r in roots]
         with self._passes_lock:
             self._passes += 1
@@ -347,7 +353,10 @@ class AutogradEngine:
             context_id, message_id, sender, count = tag  # type: ignore[misc]
             part = list(grads[offset:offset + count])
             offset += count
-            if all(g is None for g in part):
+            for grad in part:
+                if grad is not None:
+                    break
+            else:
                 continue  # not on a path from the roots: no message
             if sender == reply_to:
                 owed.append((message_id, part))
@@ -524,8 +533,9 @@ class _ServingInContext:
         caller = call.peer.id
         if caller != engine.agent.rank:
             ctx.add_known_worker(caller)
-        self._previous = current_context_id()
-        set_current_context_id(self._context_id)
+        current = _current  # (current_context_id() and its setter, without their frames)
+        self._previous = current.context_id
+        current.context_id = self._context_id
         try:
             message_id = call.meta.get(KEY_MESSAGE)
             if message_id is not None:
@@ -537,7 +547,7 @@ class _ServingInContext:
                 elif received:  # (no pair to build and take apart)
                     call.args = engine._attach_recv(ctx, message_id, caller, call.args, received)
         except BaseException:
-            set_current_context_id(self._previous)
+            _current.context_id = self._previous
             raise
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
@@ -545,7 +555,7 @@ class _ServingInContext:
             if exc_type is None:
                 self._record_result()
         finally:
-            set_current_context_id(self._previous)
+            _current.context_id = self._previous
 
     def _record_result(self) -> None:
         call = self._call

@@ -63,6 +63,13 @@ _ON_MACOS = sys.platform == "darwin"  # (MPS)
 _PythonNode = torch._C._FunctionBase  # the nodes of torch.autograd.Function s
 _AccumulateGrad: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
+# ``GradientEdge(node, output_nr)`` is ``_new_tuple(GradientEdge, (node, output_nr,
+# *_EDGE_REST))`` without the named tuple's ``__new__`` (a Python frame, per edge); the
+# fields after the two (an ownership token, in newer torch) are None.
+_EDGE_REST = (None,) * (len(GradientEdge._fields) - 2)
+_new_tuple = tuple.__new__
+
+
 # Input of every RecvRpc so that its outputs require grad; never receives a gradient.
 _ANCHOR = torch.zeros((), requires_grad=True)
 
@@ -154,7 +161,7 @@ def edges_of(tensors: Iterable[torch.Tensor]) -> tuple[GradientEdge, ...]:
                 token = make_send_aliases([tensor])[0]
                 edges.append(GradientEdge(grad_fn, tensor.output_nr, token))
         else:
-            edges.append(GradientEdge(grad_fn, tensor.output_nr))
+            edges.append(_new_tuple(GradientEdge, (grad_fn, tensor.output_nr, *_EDGE_REST)))
     return tuple(edges)
 
 
@@ -317,10 +324,11 @@ class Reach:
         """Where a pass over this reach asks for gradients (the leaves, then each recv
         node's output edges) and the recv nodes' tags (:func:`recv_tag`); made once."""
         if self._inputs is None:
-            tags = tuple(recv_tag(node) for node in self.recvs)
+            tags = tuple(map(recv_tag, self.recvs))
             inputs: list[Any] = list(self.leaves)
             for node, tag in zip(self.recvs, tags):
-                inputs.extend(GradientEdge(node, i) for i in range(tag[3]))  # type: ignore[index]
+                for output_nr in range(tag[3]):  # type: ignore[index]
+                    inputs.append(_new_tuple(GradientEdge, (node, output_nr, *_EDGE_REST)))
             self._inputs = (tuple(inputs), tags)
         return self._inputs
 
@@ -383,10 +391,11 @@ def gradients_at(
     ``torch.autograd`` logger at DEBUG it goes through that function (which
     logs the nodes).
     """
-    if _engine_run_backward is not None and not (
-        has_torch_function(tuple(o for o in outputs if isinstance(o, torch.Tensor)))
-        or has_torch_function(tuple(i for i in inputs if isinstance(i, torch.Tensor)))
-    ):
+    tensors = []  # (a loop: a generator is a Python frame per item)
+    for value in (*outputs, *inputs):
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+    if _engine_run_backward is not None and not has_torch_function(tensors):
         run = _engine_run_backward
         if not _accelerator_initialized() and not _graph_log.isEnabledFor(logging.DEBUG):
             run = _Variable._execution_engine.run_backward

@@ -117,16 +117,22 @@ def appearing_once(grad_lists: Iterable[list[Any]]) -> frozenset[int]:
         for grad in grads:
             if grad is not None:
                 counts[id(grad)] = counts.get(id(grad), 0) + 1
-    return frozenset(key for key, count in counts.items() if count == 1)
+    once = []  # (loops: a generator is a Python frame per item)
+    for key, count in counts.items():
+        if count == 1:
+            once.append(key)
+    return frozenset(once)
 
 
 def checked_reply(reply: Any) -> Owed:
     """The gradients a reply hands back (``None``: none), or :class:`DistAutogradError`."""
     if reply is None:
         return []
-    if isinstance(reply, list) and all(
-        isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int)
-        and isinstance(item[1], list) for item in reply
-    ):
-        return reply
+    if isinstance(reply, list):
+        for item in reply:  # (a loop: a generator is a Python frame per item)
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int)
+                    and isinstance(item[1], list)):
+                break
+        else:
+            return reply
     raise DistAutogradError(f"malformed reply to a distributed backward message: {reply!r:.80}")
