@@ -269,7 +269,8 @@ def rpc_async(
         tensor([4., 4.])
     """
     agent = current_agent()
-    return agent.call(agent.resolve(to), func, tuple(args or ()), dict(kwargs or {}), timeout)
+    return agent.call(agent.members.resolve(to), func, tuple(args or ()), dict(kwargs or {}),
+                      timeout)
 
 
 def rpc_sync(
@@ -292,5 +293,6 @@ def rpc_sync(
         tensor([4., 4.])
     """
     agent = current_agent()
-    return agent.call_and_wait(agent.resolve(to), func, tuple(args or ()), dict(kwargs or {}),
+    return agent.call_and_wait(agent.members.resolve(to), func, tuple(args or ()),
+                               dict(kwargs or {}),
                                timeout)

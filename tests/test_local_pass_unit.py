@@ -24,6 +24,7 @@ class _RecordingAgent:
 
     def __init__(self, events: list[tuple[str, Any]]) -> None:
         self.events = events
+        self.members = self  # (``agent.members.resolve``)
 
     def resolve(self, rank: int) -> int:
         return rank

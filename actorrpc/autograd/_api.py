@@ -10,8 +10,9 @@ import torch
 
 from ..agent import current_agent
 from ..errors import DistAutogradError, InvalidArgumentError
-from ._context import DistAutogradContext, current_context_id, set_current_context_id
-from ._engine import AutogradEngine, engine_of
+from ._context import DistAutogradContext, current_context_id
+from ._context import _local as _current  # this thread's current context id
+from ._engine import EXTENSION, AutogradEngine, engine_of
 
 __all__ = [
     "backward",
@@ -23,7 +24,9 @@ __all__ = [
 
 
 def _engine() -> AutogradEngine:
-    return engine_of(current_agent())
+    agent = current_agent()
+    engine = agent.extensions.get(EXTENSION)  # (engine_of, without its frame)
+    return engine if engine is not None else engine_of(agent)  # (which raises its error)
 
 
 class context:  # noqa: N801 - torch's name
@@ -51,16 +54,17 @@ class context:  # noqa: N801 - torch's name
         self._context_id: int | None = None
 
     def __enter__(self) -> int:
-        if current_context_id() is not None:
+        current = _current  # (current_context_id() and its setter, without their frames)
+        if current.context_id is not None:
             raise DistAutogradError(
                 "Already have an autograd context id for this thread: "
-                f"{current_context_id()} (contexts do not nest)"
+                f"{current.context_id} (contexts do not nest)"
             )
         engine = _engine()
         ctx = engine.create_context()
         self._engine = engine
         self._context_id = ctx.context_id
-        set_current_context_id(ctx.context_id)
+        current.context_id = ctx.context_id
         return ctx.context_id
 
     def __exit__(
@@ -69,7 +73,7 @@ class context:  # noqa: N801 - torch's name
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        set_current_context_id(None)
+        _current.context_id = None
         if self._engine is not None and self._context_id is not None:
             self._engine.release(self._context_id)
         self._engine = None

@@ -103,14 +103,14 @@ from ._functions import (
 )
 from ._pass_driver import Owed, PassDriver, appearing_once, checked_reply
 
-__all__ = ["AutogradEngine", "engine_of", "install"]
+__all__ = ["EXTENSION", "AutogradEngine", "engine_of", "install"]
 
 _log = logging.getLogger("actorrpc.autograd")
 
 KEY_CONTEXT = "autograd_context_id"
 KEY_MESSAGE = "autograd_message_id"
 KEY_RESPONSE = "autograd_response_id"
-_EXTENSION = "autograd"
+EXTENSION = "autograd"
 PREPARE_AFTER_REPLY = True  # (a switch for same-run A/Bs: benchmarks/ab_switch.py)
 DRIVE_ONE_DIRECTLY = True  # (likewise)
 
@@ -364,7 +364,7 @@ class AutogradEngine:
             payload = (context_id, message_id, part, retain_graph, pass_id)
             try:
                 futures.append(self.agent.send_request(
-                    self.agent.resolve(sender), MessageKind.AUTOGRAD_BACKWARD, payload,
+                    self.agent.members.resolve(sender), MessageKind.AUTOGRAD_BACKWARD, payload,
                     description=f"distributed backward (context {context_id})", make=CallResult,
                 ))
             except BaseException as exc:  # noqa: BLE001 - reported with the others
@@ -412,20 +412,29 @@ class AutogradEngine:
                     f"message {message_id} carries a gradient of shape {got} for a tensor of "
                     f"shape {tuple(shape)} (gradient {index})"
                 )
-        send.prepare()
-        if send.leaves and _pass_straight_to_leaves(send.leaves, grads):
+        leaves, reach = send.leaves, send.reach
+        if leaves is None or (not leaves and reach is None):  # (usually prepared already)
+            send.prepare()
+            leaves, reach = send.leaves, send.reach
+        if leaves and _pass_straight_to_leaves(leaves, grads):
             # each tensor of the message was a leaf: its gradient is the one that came
             # back, as the engine would find it (SendRpcBackward is the identity)
             ctx.claim([("send", message_id)], pass_id, retain_graph)
-            for leaf, grad in zip(send.leaves, grads):
+            for leaf, grad in zip(leaves, grads):
                 if grad is not None:
                     ctx.accumulate(leaf, grad, owned=id(grad) in single)
             return [], []
-        reach = send.pass_reach()
-        pairs = [(edge, g) for edge, g in zip(send.roots, grads) if g is not None]
+        if reach is None:  # (leaves whose gradients need the engine: hooks, casts)
+            reach = send.pass_reach()
+        starts: list[Any] = []
+        start_grads: list[Any] = []
+        for edge, grad in zip(send.edges or send.roots, grads):  # (loops: no frames)
+            if grad is not None:
+                starts.append(edge)
+                start_grads.append(grad)
         return self._local_pass(
-            ctx, [("send", message_id)], [a for a, _ in pairs], [g for _, g in pairs],
-            reach, retain_graph, pass_id, reply_to,
+            ctx, [("send", message_id)], starts, start_grads, reach, retain_graph, pass_id,
+            reply_to,
         )
 
     def handle_backward(self, request: IncomingRequest) -> Any:
@@ -585,7 +594,7 @@ def held_context_ids(creator: int) -> set[int]:
 
 
 def engine_of(agent: Agent) -> AutogradEngine:
-    engine = agent.extensions.get(_EXTENSION)
+    engine = agent.extensions.get(EXTENSION)
     if engine is None:
         raise DistAutogradError(
             "distributed autograd is not installed on this RPC agent; import actorrpc.autograd "
@@ -596,10 +605,10 @@ def engine_of(agent: Agent) -> AutogradEngine:
 
 def install(agent: Agent) -> None:
     """Agent plugin: the engine, its call hook and its two message handlers (idempotent)."""
-    if _EXTENSION in agent.extensions:
+    if EXTENSION in agent.extensions:
         return
     engine = AutogradEngine(agent)
-    agent.extensions[_EXTENSION] = engine
+    agent.extensions[EXTENSION] = engine
     agent.register_handler(MessageKind.AUTOGRAD_BACKWARD, engine.handle_backward)
     agent.register_handler(  # a release only lets the graph go: it may wait
         MessageKind.AUTOGRAD_CLEANUP, engine.handle_cleanup, inline=True, after_carrier=True

@@ -355,7 +355,7 @@ def reach_from(nodes: Iterable[Any], extra_leaves: Iterable[torch.Tensor] = ()) 
                 leaf_ids.add(id(variable))
                 leaves.append(variable)
             continue
-        if recv_tag(node) is not None:
+        if type(node) is _RECV_NODE and getattr(node, _TAG, None) is not None:  # (recv_tag)
             recvs.append(node)
             continue
         for child, _ in node.next_functions:
@@ -366,10 +366,15 @@ def reach_from(nodes: Iterable[Any], extra_leaves: Iterable[torch.Tensor] = ()) 
 
 def _accelerator_initialized() -> bool:
     """Whether the engine may run nodes on device threads (CUDA, XPU; any on macOS)."""
-    if _ON_MACOS or torch.cuda.is_initialized():
+    # (their flags, read without a frame each; without the flag, the public function)
+    if _ON_MACOS or getattr(torch.cuda, "_initialized", None) is not False and (
+        torch.cuda.is_initialized()
+    ):
         return True
     xpu = getattr(torch, "xpu", None)
-    return xpu is not None and bool(xpu.is_initialized())
+    if xpu is None or getattr(xpu, "_initialized", None) is False:
+        return False
+    return bool(xpu.is_initialized())
 
 
 def gradients_at(

@@ -142,7 +142,8 @@ def _finish(tensor: torch.Tensor, flags: int) -> torch.Tensor:
 
 def _rebuild_from_array(code: int, shape: tuple[int, ...], flags: int, data: Any) -> torch.Tensor:
     """The tensor of the array form (see the module docstring)."""
-    return _finish(torch.from_numpy(np.frombuffer(data, _ARRAY_DTYPES[code]).reshape(shape)), flags)
+    tensor = torch.from_numpy(np.frombuffer(data, _ARRAY_DTYPES[code]).reshape(shape))
+    return _finish(tensor, flags) if flags else tensor
 
 
 def _rebuild_from_strided_array(
@@ -154,7 +155,8 @@ def _rebuild_from_strided_array(
     itemsize = dtype.itemsize
     byte_strides = tuple([stride * itemsize for stride in strides])
     array: np.ndarray[Any, Any] = np.ndarray(shape, dtype, buffer=data, strides=byte_strides)
-    return _finish(torch.from_numpy(array), flags)
+    tensor = torch.from_numpy(array)
+    return _finish(tensor, flags) if flags else tensor
 
 
 def _rebuild_tensor(
