@@ -405,7 +405,7 @@ class MessageDispatcher(ReplySettling):
             if header.flags & FLAG_RIDERS:  # notifications rode along in the last frame
                 if len(frames) < 2:
                     raise ProtocolError("a message flagged with riders carries no riders frame")
-                riders = decode_riders(frames[-1].buffer)
+                riders = decode_riders(memoryview(frames[-1]))  # (not .buffer: a frame)
                 frames = frames[:-1]
                 # handled before the message that carried them, and even if it is refused;
                 # those registered ``after_carrier`` riding on a request served on a
@@ -425,7 +425,7 @@ class MessageDispatcher(ReplySettling):
                         self._on_riding_notification(kind, header.sender, body)
             if not header.nbuffers and len(frames) == 1:  # the common case: a payload alone
                 payload = frames[0]
-                parts = [payload if type(payload) is memoryview else payload.buffer]
+                parts = [payload if type(payload) is memoryview else memoryview(payload)]
             else:
                 parts = self.shared.incoming(header, frames)
         except ProtocolError as error:

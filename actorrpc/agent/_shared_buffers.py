@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = ["SharedBuffers"]
 
+_VIEW: Any = memoryview  # (mapped over frames: no Python frame each, as ``.buffer`` has)
+
 
 class SharedBuffers:
     """Lends and maps shared-memory segments for one agent."""
@@ -82,7 +84,7 @@ class SharedBuffers:
             raise ProtocolError(
                 f"message declares {header.nbuffers} buffers but carries {carried}"
             )
-        parts = [f.buffer for f in frames[: 1 + header.nbuffers]]
+        parts: list[Any] = list(map(_VIEW, frames[: 1 + header.nbuffers]))
         if shared:
             table = frames[-1].bytes
             if not table or len(table) % 2:

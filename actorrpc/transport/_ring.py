@@ -198,9 +198,9 @@ class RingWriter:
         else:
             # (raw() gives the bytes of any contiguous buffer in memory order, as a socket
             # sends them)
-            parts: list[Any] = [
-                f if type(f) is bytes else pickle.PickleBuffer(f).raw() for f in frames
-            ]
+            parts: list[Any] = []  # (a loop: a comprehension is a Python frame)
+            for frame in frames:
+                parts.append(frame if type(frame) is bytes else pickle.PickleBuffer(frame).raw())
             if len(parts) > MAX_FRAMES:
                 return False  # (a record of more is taken for a corrupt one)
             lengths = [len(part) for part in parts]
@@ -212,8 +212,15 @@ class RingWriter:
                 head = self._copy_in(head, b"".join([prefix, *parts]))
             else:
                 head = self._copy_in(head, prefix)
+                capacity, data = self._capacity, self._data
                 for part in parts:
-                    head = self._copy_in(head, part)
+                    start = head & (capacity - 1)
+                    size = len(part)
+                    if start + size <= capacity:  # (_copy_in's common case, without a call)
+                        data[start:start + size] = part
+                        head += size
+                    else:
+                        head = self._copy_in(head, part)
         # (an interrupt between the two leaves a record that goes with the next one,
         # never one overwritten after it was published)
         self._head = head
@@ -311,6 +318,9 @@ class RingReader:
             if self.socket_seen < self._words[_BEFORE]:
                 return False
             self.open = True  # (for good: the count only grows)
+        start = self._tail & (self._capacity - 1)
+        if start + 8 <= self._capacity:  # (_next_sequence's common case, without a call)
+            return bool(_SEQUENCE.unpack_from(self._data, start)[0] == self._expected)
         return self._next_sequence() == self._expected
 
     def _note_wait(self) -> None:
@@ -364,7 +374,8 @@ class RingReader:
             waiting = self._next_sequence()
             if waiting < self._expected:
                 raise ProtocolError(f"ring {self.name}: record {waiting} came twice")
-        self._note_wait()
+        if self._spilled or self._words[_HEAD] != self._tail or self._waiting_since:
+            self._note_wait()  # (only when something waits, or waited: a frame less)
         return count
 
     def _next_sequence(self) -> int:
@@ -398,8 +409,13 @@ class RingReader:
         position = tail + prefix
         message: list[Any] = [identity, self._copy_out(position, lengths[0], bytes)]
         position += lengths[0]
+        capacity, data = self._capacity, self._data
         for length in lengths[1:]:
-            message.append(self._copy_out(position, length, CopiedFrame))
+            start = position & (capacity - 1)
+            if start + length <= capacity:  # (_copy_out's common case, without a call)
+                message.append(CopiedFrame(data[start:start + length]))
+            else:
+                message.append(self._copy_out(position, length, CopiedFrame))
             position += length
         into.append(message)
         self._tail = tail + size
