@@ -15,7 +15,8 @@ Two wire forms, both rebuilt without copying the data again:
   permutation, a broadcast by ``expand`` as the gradient of a ``sum``):
   ``_rebuild_from_strided_array(code, shape, strides, flags, data)``, where
   ``strides`` are in elements and ``data`` holds the elements once, from the first
-  one on. Made and rebuilt with numpy alone. A view with gaps (a slice with steps,
+  one on. Made and rebuilt with numpy alone (a view broadcast on every axis sends its
+  one element without further work). A view with gaps (a slice with steps,
   a column) sends only its own elements, copied together (strides of the copy);
   a view whose elements overlap (sliding windows) takes the general form.
 * The *general* form, for any other dense strided CPU tensor (a dtype numpy lacks
@@ -83,6 +84,12 @@ def reduce_tensor(tensor: torch.Tensor) -> Any:
     if type(tensor) is not torch.Tensor:
         flags |= _PARAMETER
     if not array.flags.c_contiguous:
+        if not any(array.strides) and array.size:  # one element on every axis (a sum's
+            # gradient): it travels alone, without working out the parts
+            one = array[(_FIRST,) * array.ndim]
+            strides = (0,) * array.ndim
+            return _rebuild_from_strided_array, (code, array.shape, strides, flags,
+                                                 bytearray(one.tobytes()))
         parts = _strided_parts(array)
         if parts is None:  # elements that overlap (sliding windows): the span travels
             return _reduce_general(tensor)
