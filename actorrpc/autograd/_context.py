@@ -280,8 +280,10 @@ class DistAutogradContext:
                 # later gradients are added into it in place: a copy unless owned (an
                 # engine's gradient may be a caller's tensor, or given to two leaves)
                 # and contiguous (a received expanded gradient keeps its zero strides)
-                keep = owned and not grad.requires_grad and grad.is_contiguous()
-                self.grads[id(leaf)] = (leaf, grad if keep else grad.detach().clone())
+                if grad.requires_grad:  # (rare: an engine's gradient under create_graph)
+                    grad, owned = grad.detach(), False
+                keep = owned and grad.is_contiguous()
+                self.grads[id(leaf)] = (leaf, grad if keep else grad.clone())
             elif entry[1].is_sparse and not grad.is_sparse:
                 self.grads[id(leaf)] = (leaf, entry[1] + grad)  # dense result; rare path
             else:
