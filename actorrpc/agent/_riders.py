@@ -167,7 +167,9 @@ class Riders:
                 self._nested.append((rank, entry, now))
                 return
             self._changing(self._queue, rank, entry, now)
-        self._agent.quiet.nudge_if_waiting()
+        quiet = self._agent.quiet
+        if quiet.waiting:  # (nudge_if_waiting, without its frame)
+            quiet.nudge()
 
     def _changing(self, change: Callable[..., _T], *args: Any) -> _T:
         """``change(*args)`` with the lock, as a change of the tables: an :meth:`add` that
@@ -199,7 +201,8 @@ class Riders:
             if len(waiting) >= BATCH_SIZE or now - since >= BATCH_AGE:
                 self._release_waiting(rank)
             return
-        self._release_waiting(rank)
+        if rank in self.waiting or rank in self._waiting_since:  # (only then: a frame less)
+            self._release_waiting(rank)
         self.queued.setdefault(rank, []).append(entry)
         self._due.setdefault(rank, now + RIDER_DELAY)
 

@@ -56,7 +56,10 @@ class SharedBuffers:
         threshold = self._threshold
         if not threshold or not buffers or member.endpoint.rsplit(":", 1)[0] != self._host:
             return frames, 0, []
-        indexes = [i for i, b in enumerate(buffers) if b.nbytes >= threshold]
+        indexes = []  # (a loop: a comprehension is a Python frame)
+        for i, buffer in enumerate(buffers):
+            if buffer.nbytes >= threshold:
+                indexes.append(i)
         if not indexes:
             return frames, 0, []
         lent: list[str] = []

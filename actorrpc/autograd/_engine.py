@@ -225,14 +225,15 @@ class AutogradEngine:
         pass_id = self.store.message_ids.next()
         nodes: list[Any] = []
         root_leaves: list[torch.Tensor] = []
-        for root in roots:
+        grad_outputs: list[torch.Tensor] = []
+        for root in roots:  # (a loop: comprehensions are Python frames)
             grad_fn = root.grad_fn
             if grad_fn is None:
                 root_leaves.append(root)
             else:
                 nodes.append(grad_fn)
+            grad_outputs.append(torch.ones_like(root, memory_format=torch.preserve_format))
         reach = reach_from(nodes, root_leaves)
-        grad_outputs = [torch.ones_like(r, memory_format=torch.preserve_format) for r in roots]
         with self._passes_lock:
             self._passes += 1
         try:

@@ -343,10 +343,10 @@ def reach_from(nodes: Iterable[Any], extra_leaves: Iterable[torch.Tensor] = ()) 
             leaves.append(leaf)
     recvs: list[Any] = []
     seen: set[Any] = set()  # node objects are stable while referenced (they are, here)
-    stack = [n for n in nodes if n is not None]
+    stack = list(nodes)
     while stack:
         node = stack.pop()
-        if node in seen:
+        if node is None or node in seen:
             continue
         seen.add(node)
         if type(node) is _AccumulateGrad:  # a leaf (not any node with a ``variable``)

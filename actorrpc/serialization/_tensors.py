@@ -160,7 +160,7 @@ def _rebuild_from_strided_array(
     strides that reach beyond ``data``."""
     dtype = _ARRAY_DTYPES[code]
     itemsize = dtype.itemsize
-    byte_strides = tuple([stride * itemsize for stride in strides])
+    byte_strides = tuple(map(itemsize.__mul__, strides))  # (no Python frame)
     array: np.ndarray[Any, Any] = np.ndarray(shape, dtype, buffer=data, strides=byte_strides)
     tensor = torch.from_numpy(array)
     return _finish(tensor, flags) if flags else tensor

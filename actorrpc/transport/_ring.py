@@ -203,7 +203,7 @@ class RingWriter:
                 parts.append(frame if type(frame) is bytes else pickle.PickleBuffer(frame).raw())
             if len(parts) > MAX_FRAMES:
                 return False  # (a record of more is taken for a corrupt one)
-            lengths = [len(part) for part in parts]
+            lengths = list(map(len, parts))
             prefix = struct.pack(f"<QI{len(parts)}I", self._sequence, len(parts), *lengths)
             total = len(prefix) + sum(lengths)
             if self._capacity - (head - self._words[_TAIL]) < total:
