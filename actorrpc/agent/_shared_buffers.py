@@ -56,7 +56,7 @@ class SharedBuffers:
         threshold = self._threshold
         if not threshold or not buffers or member.endpoint.rsplit(":", 1)[0] != self._host:
             return frames, 0, []
-        indexes = []  # (a loop: a comprehension is a Python frame)
+        indexes = []  # (a loop: a comprehension is a frame before Python 3.12)
         for i, buffer in enumerate(buffers):
             if buffer.nbytes >= threshold:
                 indexes.append(i)

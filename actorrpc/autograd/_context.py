@@ -11,8 +11,8 @@ Invariants:
   counter``: unique across the group without coordination.
 * A context's tables only grow until :meth:`DistAutogradContext.release`, which
   drops every reference it holds to the autograd graph (and so frees it).
-* ``grads`` maps a leaf tensor (by identity) to a tensor owned by the context;
-  later passes add into that same tensor in place, so a dict returned by
+* ``grads`` maps a leaf tensor (by ``id``, keeping the leaf) to a tensor owned by the
+  context; later passes add into that same tensor in place, so a dict returned by
   ``get_gradients`` sees later accumulation (torch's behaviour).
 """
 
@@ -60,8 +60,8 @@ class IdGenerator:
     """Yields ``(rank << 48) | n`` for n = 0, 1, 2, ... (thread-safe).
 
     ``next`` is the counter's own C method: no Python frame per id, and atomic (it
-    runs holding the GIL). The 2**48 ids of a worker (nine years at a million ids a
-    second) are not checked per id.
+    runs holding the GIL; a free-threaded build would need a lock again). The 2**48
+    ids of a worker (nine years at a million ids a second) are not checked per id.
     """
 
     def __init__(self, rank: int) -> None:

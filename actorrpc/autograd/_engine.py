@@ -226,7 +226,7 @@ class AutogradEngine:
         nodes: list[Any] = []
         root_leaves: list[torch.Tensor] = []
         grad_outputs: list[torch.Tensor] = []
-        for root in roots:  # (a loop: comprehensions are Python frames)
+        for root in roots:  # (a loop: comprehensions are frames before Python 3.12)
             grad_fn = root.grad_fn
             if grad_fn is None:
                 root_leaves.append(root)

@@ -65,8 +65,8 @@ _AccumulateGrad: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-d
 
 # ``GradientEdge(node, output_nr)`` is ``_new_tuple(GradientEdge, (node, output_nr,
 # *_EDGE_REST))`` without the named tuple's ``__new__`` (a Python frame, per edge); the
-# fields after the two (an ownership token, in newer torch) are None.
-_EDGE_REST = (None,) * (len(GradientEdge._fields) - 2)
+# fields after the two (an ownership token, in newer torch) take their defaults.
+_EDGE_REST = tuple(GradientEdge._field_defaults[name] for name in GradientEdge._fields[2:])
 _new_tuple = tuple.__new__
 
 

@@ -198,7 +198,7 @@ class RingWriter:
         else:
             # (raw() gives the bytes of any contiguous buffer in memory order, as a socket
             # sends them)
-            parts: list[Any] = []  # (a loop: a comprehension is a Python frame)
+            parts: list[Any] = []  # (a loop: a comprehension is a frame before 3.12)
             for frame in frames:
                 parts.append(frame if type(frame) is bytes else pickle.PickleBuffer(frame).raw())
             if len(parts) > MAX_FRAMES:
