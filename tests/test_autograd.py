@@ -473,7 +473,8 @@ def test_an_initiator_with_one_message_out_waits_on_its_reply_directly(
 ) -> None:
     """While one backward message is outstanding (a call's, whose reply hands back one
     pass), the initiator waits on that reply and runs the pass itself, with no driver;
-    two messages out (two peers) take a driver, and give the same gradients."""
+    the same chain with the switch off, and two messages out (two peers), take a driver;
+    the gradients are the same either way."""
     drivers: list[Any] = []
 
     class CountedDriver(_engine_module.PassDriver):
@@ -490,13 +491,21 @@ def test_an_initiator_with_one_message_out_waits_on_its_reply_directly(
         expected = _reference([t1, t2], lambda a, b: (a * b + a).sum())
         _assert_grads(context_id, [t1, t2], expected)
     assert drivers == []
+    monkeypatch.setattr(_engine_module, "DRIVE_ONE_DIRECTLY", False)  # the driver's way
+    with dist_autograd.context() as context_id:
+        chained = rpc.rpc_sync("worker1", torch.mul, args=(t1, t2))
+        chained = rpc.rpc_sync("worker1", torch.add, args=(chained, t1))
+        dist_autograd.backward(context_id, [chained.sum()])
+        _assert_grads(context_id, [t1, t2], expected)
+    assert len(drivers) == 1
+    monkeypatch.setattr(_engine_module, "DRIVE_ONE_DIRECTLY", True)
     with dist_autograd.context() as context_id:
         loss = (rpc.rpc_sync("worker1", torch.mul, args=(t1, t2))
                 + rpc.rpc_sync("worker2", torch.add, args=(t1, t2))).sum()
         dist_autograd.backward(context_id, [loss])
         expected = _reference([t1, t2], lambda a, b: (a * b + a + b).sum())
         _assert_grads(context_id, [t1, t2], expected)
-    assert len(drivers) == 1
+    assert len(drivers) == 2
 
 
 _stored: list[torch.Tensor] = []
