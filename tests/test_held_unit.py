@@ -172,6 +172,41 @@ def test_the_next_call_of_the_holding_thread_sends_it_unless_it_merges() -> None
     assert agent.sent[-1] == (1, MessageKind.REMOTE_CALL, 6)
 
 
+def test_the_hook_sends_with_the_collector_paused_and_restores_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sending from the profile hook allocates while a frame is being entered: no
+    collection may start there (a SIGSEGV was once seen in this hook); after it, the
+    collector is as it was (on, or off if the program turned it off)."""
+    agent = _StubAgent()
+    held = HeldRequests(agent)  # type: ignore[arg-type]
+    seen: list[bool] = []
+    send = agent._send
+
+    def recording_send(*args: Any) -> None:
+        seen.append(gc.isenabled())
+        send(*args)
+
+    monkeypatch.setattr(agent, "_send", recording_send)
+
+    def merging() -> None:
+        pass
+
+    was_enabled = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            request = _held(agent, 7 + enabled)
+            held.hold(request)
+            held.release_on_next_call(request.future, merging.__code__)
+            len(())  # the next call: the hook sends it
+            assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was_enabled else gc.disable)()
+    assert seen == [False, False]
+    assert [m for _, _, m in agent.sent] == [8, 7]
+
+
 class _Finalized:
     """A finalizer registered as one to ignore, which calls actorrpc functions (as
     ``RRef.__del__`` does)."""

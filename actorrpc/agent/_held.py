@@ -47,6 +47,7 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -98,6 +99,25 @@ class HeldRequest:
         self.buffers = buffers
         self.undo = undo
         self.future = future
+
+
+def _release_from_hook(held: HeldRequests, future: Any) -> None:
+    """``held.release(future)`` from the profile hook, with the cyclic collector paused.
+
+    The hook runs while the frame it reports is being entered, and sending allocates
+    enough to start a collection there. CPython 3.11 has crashed when a collection walked
+    a frame in that state (gh-101975, fixed for one case); the suite once died with a
+    SIGSEGV in this hook (twenty-ninth session, not reproduced since). The collection
+    waits until the request left: one message's worth of allocations.
+    """
+    collecting = gc.isenabled()
+    if collecting:
+        gc.disable()
+    try:
+        held.release(future)
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class HeldRequests:
@@ -170,7 +190,7 @@ class HeldRequests:
                 # collector runs) may send or wait: the request goes first
                 passing.clear()
                 sys.setprofile(None)
-                self.release(future)
+                _release_from_hook(self, future)
                 return
             if event in ("return", "c_return"):  # frames finishing: the caller's, its callers'
                 return
@@ -180,7 +200,7 @@ class HeldRequests:
             sys.setprofile(None)
             if event == "call" and frame.f_code is merging:
                 return
-            self.release(future)
+            _release_from_hook(self, future)
 
         sys.setprofile(on_event)
 
