@@ -10,8 +10,8 @@ import torch
 
 from ..agent import current_agent
 from ..errors import DistAutogradError, InvalidArgumentError
+from ._context import THREAD_CONTEXT as _current  # this thread's current context id
 from ._context import DistAutogradContext, current_context_id
-from ._context import _local as _current  # this thread's current context id
 from ._engine import EXTENSION, AutogradEngine, engine_of
 
 __all__ = [

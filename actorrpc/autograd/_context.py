@@ -37,6 +37,7 @@ __all__ = [
     "IdGenerator",
     "RecvFunction",
     "SendFunction",
+    "THREAD_CONTEXT",
     "current_context_id",
     "set_current_context_id",
 ]
@@ -363,6 +364,9 @@ class _CurrentContext(threading.local):
 
 
 _local = _CurrentContext()
+# (``THREAD_CONTEXT.context_id``: what the two functions below read and set, for hot paths
+# that read it without their frames)
+THREAD_CONTEXT = _local
 
 
 def current_context_id() -> int | None:

@@ -92,7 +92,7 @@ from ._context import (
     RecvFunction,
     SendFunction,
 )
-from ._context import _local as _current  # this thread's current context id
+from ._context import THREAD_CONTEXT as _current  # this thread's current context id
 from ._functions import (
     Reach,
     find_grad_tensors,
