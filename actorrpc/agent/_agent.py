@@ -402,8 +402,7 @@ class Agent(MessageDispatcher):
         )
         if timeout > 0:
             self._deadlines.add(time.monotonic() + timeout, message_id)
-        if self.quiet.waiting:  # (nudge_if_waiting, without its frame)
-            self.quiet.nudge()  # (its deadline and liveness are timed work)
+        self.quiet.nudge_if_waiting()  # (its deadline and liveness are timed work)
         traced = self.tracer.enabled  # recorded before sending: the reply may come first
         if traced:
             self.tracer.call_sent(message_id, dest.id, description or kind.name,

@@ -167,9 +167,7 @@ class Riders:
                 self._nested.append((rank, entry, now))
                 return
             self._changing(self._queue, rank, entry, now)
-        quiet = self._agent.quiet
-        if quiet.waiting:  # (nudge_if_waiting, without its frame)
-            quiet.nudge()
+        self._agent.quiet.nudge_if_waiting()
 
     def _changing(self, change: Callable[..., _T], *args: Any) -> _T:
         """``change(*args)`` with the lock, as a change of the tables: an :meth:`add` that

@@ -138,11 +138,7 @@ def make_recv_outputs(
     tensors: list[torch.Tensor], context_id: int, message_id: int, sender: int
 ) -> tuple[tuple[torch.Tensor, ...], Any]:
     """New tensors with the received values whose grad_fn is one tagged ``RecvRpcBackward``."""
-    inputs = (_ANCHOR, *map(_detach, tensors))
-    if torch.is_grad_enabled() and not _functorch_active():  # (the common case, inline)
-        outputs = tuple(_recv_rpc_apply(*inputs))
-    else:
-        outputs = _apply_recording(RecvRpc, _recv_rpc_apply, *inputs)
+    outputs = _apply_recording(RecvRpc, _recv_rpc_apply, _ANCHOR, *map(_detach, tensors))
     node = outputs[0].grad_fn
     setattr(node, _TAG, (context_id, message_id, sender, len(outputs)))
     return outputs, node

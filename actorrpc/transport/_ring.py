@@ -212,15 +212,8 @@ class RingWriter:
                 head = self._copy_in(head, b"".join([prefix, *parts]))
             else:
                 head = self._copy_in(head, prefix)
-                capacity, data = self._capacity, self._data
                 for part in parts:
-                    start = head & (capacity - 1)
-                    size = len(part)
-                    if start + size <= capacity:  # (_copy_in's common case, without a call)
-                        data[start:start + size] = part
-                        head += size
-                    else:
-                        head = self._copy_in(head, part)
+                    head = self._copy_in(head, part)
         # (an interrupt between the two leaves a record that goes with the next one,
         # never one overwritten after it was published)
         self._head = head
@@ -318,9 +311,6 @@ class RingReader:
             if self.socket_seen < self._words[_BEFORE]:
                 return False
             self.open = True  # (for good: the count only grows)
-        start = self._tail & (self._capacity - 1)
-        if start + 8 <= self._capacity:  # (_next_sequence's common case, without a call)
-            return bool(_SEQUENCE.unpack_from(self._data, start)[0] == self._expected)
         return self._next_sequence() == self._expected
 
     def _note_wait(self) -> None:
@@ -409,13 +399,8 @@ class RingReader:
         position = tail + prefix
         message: list[Any] = [identity, self._copy_out(position, lengths[0], bytes)]
         position += lengths[0]
-        capacity, data = self._capacity, self._data
         for length in lengths[1:]:
-            start = position & (capacity - 1)
-            if start + length <= capacity:  # (_copy_out's common case, without a call)
-                message.append(CopiedFrame(data[start:start + length]))
-            else:
-                message.append(self._copy_out(position, length, CopiedFrame))
+            message.append(self._copy_out(position, length, CopiedFrame))
             position += length
         into.append(message)
         self._tail = tail + size
