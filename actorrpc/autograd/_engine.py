@@ -1,6 +1,6 @@
 """Recording the distributed graph on RPCs, and the message-driven backward traversal.
 
-Forward (a call hook on every RPC made inside a context):
+Forward (a call hook on every RPC made inside a context; its parts are in ``_recording``):
 
 * The caller puts the context id in the call's meta. If some argument requires
   grad it records a send function (``SendRpcBackward`` over those tensors) under
@@ -89,52 +89,25 @@ from ._context import (
     ID_BITS,
     ContextStore,
     DistAutogradContext,
-    RecvFunction,
     SendFunction,
 )
 from ._context import THREAD_CONTEXT as _current  # this thread's current context id
-from ._functions import (
-    Reach,
-    find_grad_tensors,
-    gradients_at,
-    make_recv_outputs,
-    reach_from,
-    replace_tensors,
-)
+from ._functions import Reach, find_grad_tensors, gradients_at, reach_from
 from ._pass_driver import Owed, PassDriver, appearing_once, checked_reply
+from ._recording import KEY_CONTEXT, KEY_MESSAGE, KEY_RESPONSE, ServingInContext, attach_recv
 
 __all__ = ["EXTENSION", "AutogradEngine", "engine_of", "install"]
 
 _log = logging.getLogger("actorrpc.autograd")
 
-KEY_CONTEXT = "autograd_context_id"
-KEY_MESSAGE = "autograd_message_id"
-KEY_RESPONSE = "autograd_response_id"
 EXTENSION = "autograd"
-PREPARE_AFTER_REPLY = True  # (a switch for same-run A/Bs: benchmarks/ab_switch.py)
-DRIVE_ONE_DIRECTLY = True  # (likewise)
+DRIVE_ONE_DIRECTLY = True  # (a switch for same-run A/Bs: benchmarks/ab_switch.py)
 
 
 def _failed(exc: BaseException) -> CallResult[Any]:
     future: CallResult[Any] = CallResult("distributed backward")
     complete(future, error=exc)
     return future
-
-
-def _then(future: Any, fn: Callable[[Any], Any]) -> torch.futures.Future:
-    """``future.then`` keeping exception types (torch's then() turns them into RuntimeError)."""
-    result: torch.futures.Future = torch.futures.Future()
-
-    def done(source: torch.futures.Future) -> None:
-        try:
-            value = fn(source.wait())
-        except BaseException as exc:  # noqa: BLE001 - goes to the caller
-            result.set_exception(exc)
-            return
-        result.set_result(value)
-
-    future.add_done_callback(done)
-    return result
 
 
 def _pass_straight_to_leaves(leaves: tuple[torch.Tensor, ...], grads: list[Any]) -> bool:
@@ -191,7 +164,7 @@ class AutogradEngine:
             target = self.store.get(context_id)
             if target is None:
                 return value  # the context was left before the reply came
-            return self._attach_recv(target, response_id, peer, value, received)
+            return attach_recv(target, response_id, peer, value, received)
 
         return on_reply
 
@@ -199,23 +172,7 @@ class AutogradEngine:
         context_id = call.meta.get(KEY_CONTEXT)
         if context_id is None or self.closed:
             return None  # not a call inside a distributed autograd context
-        return _ServingInContext(self, call, context_id)
-
-    def _record_response(self, ctx: DistAutogradContext, response_id: int, caller: int,
-                         value: Any) -> SendFunction | None:
-        tensors = find_grad_tensors(value)
-        if not tensors:
-            return None
-        send = SendFunction.of(response_id, caller, tensors)
-        ctx.add_send(send)
-        return send
-
-    def _attach_recv(self, ctx: DistAutogradContext, message_id: int, sender: int, value: Any,
-                     received: list[torch.Tensor]) -> Any:
-        outputs, node = make_recv_outputs(received, ctx.context_id, message_id, sender)
-        ctx.add_recv(RecvFunction(message_id, sender, node, len(outputs)))
-        mapping = dict(zip(map(id, received), outputs))
-        return replace_tensors(value, mapping)
+        return ServingInContext(self.store, self.agent.rank, call, context_id)
 
     # -- backward ----------------------------------------------------------------------------
 
@@ -232,7 +189,7 @@ class AutogradEngine:
                 root_leaves.append(root)
             else:
                 nodes.append(grad_fn)
-            grad_outputs.append(torch.ones_like(root, memory_format=torch.preserve_format))
+            grad_outputs.append(torch.ones_like(root))  # (preserve_format: the default)
         reach = reach_from(nodes, root_leaves)
         with self._passes_lock:
             self._passes += 1
@@ -518,74 +475,6 @@ class AutogradEngine:
     def close(self, graceful: bool) -> None:
         self.closed = True
         self.store.clear()
-
-
-class _ServingInContext:
-    """The scope of a call served inside a context (a class, not a generator-based
-    context manager: ~2 µs less per call warm).
-
-    On entering: the context exists here and is current, and the received tensors
-    requiring grad have their recv function. On leaving without an error: the
-    result's tensors requiring grad have their send function. The previous current
-    context is restored either way.
-    """
-
-    __slots__ = ("_engine", "_call", "_context_id", "_ctx", "_previous")
-
-    def __init__(self, engine: AutogradEngine, call: CallRecord, context_id: int) -> None:
-        self._engine = engine
-        self._call = call
-        self._context_id = context_id
-
-    def __enter__(self) -> None:
-        engine, call = self._engine, self._call
-        ctx = self._ctx = engine.store.get_or_create(self._context_id)
-        caller = call.peer.id
-        if caller != engine.agent.rank:
-            ctx.add_known_worker(caller)
-        current = _current  # (current_context_id() and its setter, without their frames)
-        self._previous = current.context_id
-        current.context_id = self._context_id
-        try:
-            message_id = call.meta.get(KEY_MESSAGE)
-            if message_id is not None:
-                received = find_grad_tensors(call.args, call.kwargs)
-                if received and call.kwargs:
-                    call.args, call.kwargs = engine._attach_recv(
-                        ctx, message_id, caller, (call.args, call.kwargs), received
-                    )
-                elif received:  # (no pair to build and take apart)
-                    call.args = engine._attach_recv(ctx, message_id, caller, call.args, received)
-        except BaseException:
-            _current.context_id = self._previous
-            raise
-
-    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
-        try:
-            if exc_type is None:
-                self._record_result()
-        finally:
-            _current.context_id = self._previous
-
-    def _record_result(self) -> None:
-        call = self._call
-        response_id = call.meta.get(KEY_RESPONSE)
-        if response_id is None:
-            return
-        engine, ctx, caller = self._engine, self._ctx, call.peer.id
-        if isinstance(call.result, torch._C.Future):  # async_execution
-
-            def record(value: Any) -> Any:
-                engine._record_response(ctx, response_id, caller, value)
-                return value
-
-            call.result = _then(call.result, record)
-            return
-        send = engine._record_response(ctx, response_id, caller, call.result)
-        if send is not None and PREPARE_AFTER_REPLY:
-            # the pass the gradients coming back start is worked out while the caller
-            # computes (after the reply left): not while it waits for that pass's reply
-            call.after_reply = send.prepare
 
 
 def held_context_ids(creator: int) -> set[int]:
