@@ -130,6 +130,34 @@ def python_probe_us(rounds: int = 300) -> float:
     return latency_stats(time_calls(lambda _: sum(range(1000)), 10, rounds))["median_us"]
 
 
+IDLE_LOAD = 0.5
+"""The 1-minute load average under which a run starts "on an idle host" (``bench_rpc.py``
+warns above it: the previous run's processes, or other work, still weigh on the figures)."""
+
+
+def wait_until_idle(
+    limit_s: float,
+    threshold: float = IDLE_LOAD,
+    loadavg: Callable[[], tuple[float, float, float]] = os.getloadavg,
+    clock: Callable[[], float] = time.monotonic,
+    pause: Callable[[float], None] = time.sleep,
+    poll_s: float = 5.0,
+) -> tuple[float, bool]:
+    """Wait (at most ``limit_s``) until the 1-minute load average is under ``threshold``.
+
+    Returns the seconds waited and whether the load got there. The load average decays
+    over about a minute, so right after another run this takes a minute or two.
+    """
+    start = clock()
+    while True:
+        if loadavg()[0] < threshold:
+            return clock() - start, True
+        left = start + limit_s - clock()
+        if left <= 0:
+            return clock() - start, False
+        pause(min(poll_s, left))
+
+
 def machine_info() -> dict[str, Any]:
     """Describe the machine and the software versions the figures were taken with."""
     info: dict[str, Any] = {

@@ -21,7 +21,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from _common import RESULTS_DIR, Session, SessionError, machine_info, python_probe_us
+from _common import (
+    IDLE_LOAD,
+    RESULTS_DIR,
+    Session,
+    SessionError,
+    machine_info,
+    python_probe_us,
+    wait_until_idle,
+)
 from _metrics import BACKENDS, FULL, METRICS, QUICK, Config, worker_main
 from _report import (
     BANDWIDTH_NOTE,
@@ -262,6 +270,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="measure the floor and each backend in turn this many times, each with 1/ROUNDS "
         "of the iterations, and report the median rounds (for hosts whose speed changes)",
     )
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help=f"first wait (at most SECONDS) until the 1-minute load average is under "
+        f"{IDLE_LOAD} (another run's processes weigh on the figures for a minute or so)",
+    )
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "latest.json", help="JSON path")
     p.add_argument("--chart", type=Path, default=RESULTS_DIR / "latest.png", help="PNG path")
     p.add_argument("--no-chart", action="store_true", help="do not draw the chart")
@@ -288,15 +304,22 @@ def main(argv: list[str] | None = None) -> int:
     cfg = replace(QUICK if args.quick else FULL, pin=args.pin)
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
+    idle_wait: dict[str, Any] = {}
+    if args.wait_idle > 0:
+        _log(f"waiting (at most {args.wait_idle:.0f} s) for a load average under {IDLE_LOAD}")
+        waited, reached = wait_until_idle(args.wait_idle)
+        idle_wait = {"idle_wait_s": round(waited, 1), "idle_reached": reached}
+        if not reached:
+            _log(f"the load average stayed at or above {IDLE_LOAD}; measuring anyway")
     t_start = time.monotonic()
     report: dict[str, Any] = {
-        "machine": machine_info(),
+        "machine": {**machine_info(), **idle_wait},
         "config": {"quick": args.quick, "backends": args.backends, "rounds": args.rounds,
                    **asdict(cfg)},
         "notes": {"bandwidth": BANDWIDTH_NOTE, "ratio": ">1 means actorrpc is better"},
     }
     load_1m = report["machine"]["loadavg_at_start"][0]
-    if load_1m > 0.5:
+    if load_1m > IDLE_LOAD:
         _log(f"warning: 1-min load average is {load_1m:.2f}; other work skews the figures")
     floor: dict[str, Any] = {}
     results: dict[str, Any] = {}

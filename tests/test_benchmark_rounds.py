@@ -70,3 +70,46 @@ def test_each_round_gives_its_own_ratio() -> None:
     assert ratios["remote()+to_here(), median (µs)"] == [None, None]
     # without interleaved rounds there is nothing to report
     assert round_ratios({"torch": torch_rounds[0], "actorrpc": actor_rounds[0]}) == {}
+
+
+class _FakeHost:
+    """A load average read from a list, and a clock that only pauses move."""
+
+    def __init__(self, loads: list[float]) -> None:
+        self.loads = loads
+        self.now = 100.0
+        self.pauses: list[float] = []
+
+    def loadavg(self) -> tuple[float, float, float]:
+        load = self.loads.pop(0) if len(self.loads) > 1 else self.loads[0]
+        return (load, load, load)
+
+    def clock(self) -> float:
+        return self.now
+
+    def pause(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        self.now += seconds
+
+
+def test_a_run_waits_for_an_idle_host_within_its_limit() -> None:
+    from _common import wait_until_idle
+
+    host = _FakeHost([2.1, 1.2, 0.7, 0.45])
+    waited, reached = wait_until_idle(60.0, loadavg=host.loadavg, clock=host.clock,
+                                      pause=host.pause, poll_s=5.0)
+    assert (waited, reached) == (15.0, True) and host.pauses == [5.0, 5.0, 5.0]
+
+    busy = _FakeHost([1.9])  # never idle: gives up at the limit, its last pause cut short
+    waited, reached = wait_until_idle(12.0, loadavg=busy.loadavg, clock=busy.clock,
+                                      pause=busy.pause, poll_s=5.0)
+    assert (waited, reached) == (12.0, False) and busy.pauses == [5.0, 5.0, 2.0]
+
+    idle = _FakeHost([0.1])  # already idle: no pause at all
+    assert wait_until_idle(60.0, loadavg=idle.loadavg, clock=idle.clock,
+                           pause=idle.pause) == (0.0, True) and idle.pauses == []
+
+
+def test_wait_idle_is_an_option_of_the_benchmark() -> None:
+    assert bench_rpc.parse_args(["--wait-idle", "90"]).wait_idle == 90.0
+    assert bench_rpc.parse_args([]).wait_idle == 0.0
