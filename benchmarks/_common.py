@@ -138,7 +138,7 @@ warns above it: the previous run's processes, or other work, still weigh on the 
 def wait_until_idle(
     limit_s: float,
     threshold: float = IDLE_LOAD,
-    loadavg: Callable[[], tuple[float, float, float]] = os.getloadavg,
+    loadavg: Callable[[], tuple[float, float, float]] | None = None,
     clock: Callable[[], float] = time.monotonic,
     pause: Callable[[float], None] = time.sleep,
     poll_s: float = 5.0,
@@ -148,9 +148,10 @@ def wait_until_idle(
     Returns the seconds waited and whether the load got there. The load average decays
     over about a minute, so right after another run this takes a minute or two.
     """
+    read_load = loadavg or os.getloadavg
     start = clock()
     while True:
-        if loadavg()[0] < threshold:
+        if read_load()[0] < threshold:
             return clock() - start, True
         left = start + limit_s - clock()
         if left <= 0:

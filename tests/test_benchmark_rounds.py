@@ -109,7 +109,27 @@ def test_a_run_waits_for_an_idle_host_within_its_limit() -> None:
     assert wait_until_idle(60.0, loadavg=idle.loadavg, clock=idle.clock,
                            pause=idle.pause) == (0.0, True) and idle.pauses == []
 
+    # the threshold is the caller's, and a load exactly at it is not idle
+    edge = _FakeHost([1.0, 0.99])
+    waited, reached = wait_until_idle(60.0, threshold=1.0, loadavg=edge.loadavg,
+                                      clock=edge.clock, pause=edge.pause, poll_s=5.0)
+    assert (waited, reached) == (5.0, True) and edge.pauses == [5.0]
 
-def test_wait_idle_is_an_option_of_the_benchmark() -> None:
+
+def test_wait_idle_is_an_option_of_the_benchmark_and_recorded() -> None:
     assert bench_rpc.parse_args(["--wait-idle", "90"]).wait_idle == 90.0
     assert bench_rpc.parse_args([]).wait_idle == 0.0
+    asked: list[float] = []
+
+    def wait(limit_s: float) -> tuple[float, bool]:
+        asked.append(limit_s)
+        return 42.04, limit_s > 60
+
+    assert bench_rpc.wait_for_idle_host(0.0, wait) == {} and asked == []  # no wait asked
+    assert bench_rpc.wait_for_idle_host(90.0, wait) == {"idle_wait_s": 42.0,
+                                                         "idle_reached": True}
+    assert bench_rpc.wait_for_idle_host(30.0, wait) == {"idle_wait_s": 42.0,
+                                                         "idle_reached": False}
+    assert asked == [90.0, 30.0]
+    with pytest.raises(SystemExit, match="--wait-idle"):
+        bench_rpc.main(["--wait-idle", "-1"])

@@ -138,10 +138,7 @@ def make_recv_outputs(
     tensors: list[torch.Tensor], context_id: int, message_id: int, sender: int
 ) -> tuple[tuple[torch.Tensor, ...], Any]:
     """New tensors with the received values whose grad_fn is one tagged ``RecvRpcBackward``."""
-    if _functorch_active() or not torch.is_grad_enabled():  # (rare: not the frame per message)
-        outputs = _apply_recording(RecvRpc, _recv_rpc_apply, _ANCHOR, *map(_detach, tensors))
-    else:  # (``_apply_recording``'s usual case, without its frame)
-        outputs = _recv_rpc_apply(_ANCHOR, *map(_detach, tensors))
+    outputs = _apply_recording(RecvRpc, _recv_rpc_apply, _ANCHOR, *map(_detach, tensors))
     node = outputs[0].grad_fn
     setattr(node, _TAG, (context_id, message_id, sender, len(outputs)))
     return outputs, node

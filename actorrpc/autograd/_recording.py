@@ -45,7 +45,7 @@ def attach_recv(ctx: DistAutogradContext, message_id: int, sender: int, value: A
     the outputs of the recv function of message ``message_id`` from ``sender``."""
     outputs, node = make_recv_outputs(received, ctx.context_id, message_id, sender)
     ctx.add_recv(RecvFunction(message_id, sender, node, len(outputs)))
-    if value is received[0]:  # a lone tensor (a call's usual result): no walk
+    if value is received[0]:  # a lone tensor (a call's usual result): no id map, no replace
         return outputs[0]
     return replace_tensors(value, dict(zip(map(id, received), outputs)))
 
