@@ -1023,6 +1023,7 @@ def test_walking_values_finds_tensors_in_order_once_and_replaces_sharing_the_res
     assert new[4][0][0] is c2 and new[4][0][1] is cyclic  # the cycle back keeps the original
     assert args[0] is a and args[2].x is c  # the original is unchanged
     assert replace_tensors("text", {}) == "text"
+    assert replace_tensors(a, {id(a): a2}) is a2 and replace_tensors(b, {id(a): a2}) is b
 
 
 def _identities(value: Any) -> Any:

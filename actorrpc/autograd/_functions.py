@@ -244,9 +244,9 @@ def _find_nested(values: tuple[Any, ...]) -> list[torch.Tensor]:
 
 def replace_tensors(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
     """A copy of ``obj`` whose tensors with ids in ``mapping`` are replaced; shares the rest
-    (a container none of whose elements changed is itself, not a copy)."""
-    if isinstance(obj, _Tensor):  # the usual call's result: a lone tensor
-        return mapping.get(id(obj), obj)
+    (a container none of whose elements changed is itself, not a copy). A lone tensor
+    takes the general path: ``attach_recv`` replaces a call's usual result, one tensor,
+    without a mapping and without this function."""
     if type(obj) is tuple or type(obj) is list:  # the usual call's arguments: flat
         get = mapping.get
         elements = []
