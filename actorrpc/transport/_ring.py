@@ -313,14 +313,14 @@ class RingReader:
             self.open = True  # (for good: the count only grows)
         return self._next_sequence() == self._expected
 
-    def _note_wait(self) -> None:
-        """(After a read.) Log once when the next message has been missing a long time.
+    def _note_wait(self, waiting: bool) -> None:
+        """(After a read; ``waiting``: a spill or a record is still due.) Log once when the
+        next message has been missing a long time.
 
         Nothing is skipped: a socket message can only be lost with its connection, when
         the peer stopped for longer than the heartbeat timeout (it is then declared dead
         by liveness checks anyway), whereas a skip on a clock would reorder or drop
         messages that are merely late (a huge spill still crossing TCP)."""
-        waiting = self._spilled or self._words[_HEAD] != self._tail
         if not waiting:
             self._waiting_since = 0.0
             return
@@ -364,8 +364,9 @@ class RingReader:
             waiting = self._next_sequence()
             if waiting < self._expected:
                 raise ProtocolError(f"ring {self.name}: record {waiting} came twice")
-        if self._spilled or self._words[_HEAD] != self._tail or self._waiting_since:
-            self._note_wait()  # (only when something waits, or waited: a frame less)
+        waiting = bool(self._spilled) or self._words[_HEAD] != self._tail
+        if waiting or self._waiting_since:  # (the call only then: a frame less per read)
+            self._note_wait(waiting)
         return count
 
     def _next_sequence(self) -> int:
