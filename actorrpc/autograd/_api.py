@@ -54,7 +54,7 @@ class context:  # noqa: N801 - torch's name
         self._context_id: int | None = None
 
     def __enter__(self) -> int:
-        current = _current  # (current_context_id() and its setter, without their frames)
+        current = _current  # (read and set directly: no frame each)
         if current.context_id is not None:
             raise DistAutogradError(
                 "Already have an autograd context id for this thread: "

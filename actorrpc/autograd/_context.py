@@ -39,7 +39,6 @@ __all__ = [
     "SendFunction",
     "THREAD_CONTEXT",
     "current_context_id",
-    "set_current_context_id",
 ]
 
 ID_BITS = 48
@@ -364,14 +363,11 @@ class _CurrentContext(threading.local):
 
 
 _local = _CurrentContext()
-# (``THREAD_CONTEXT.context_id``: what the two functions below read and set, for hot paths
-# that read it without their frames)
+# (``THREAD_CONTEXT.context_id``: this thread's current context id; entering and leaving a
+# context or a served call set it directly, and hot paths read it without a frame)
 THREAD_CONTEXT = _local
 
 
 def current_context_id() -> int | None:
     return _local.context_id
 
-
-def set_current_context_id(context_id: int | None) -> None:
-    _local.context_id = context_id

@@ -101,7 +101,7 @@ class ServingInContext:
         caller = call.peer.id
         if caller != self._rank:
             ctx.add_known_worker(caller)
-        current = _current  # (current_context_id() and its setter, without their frames)
+        current = _current  # (read and set directly: no frame each)
         self._previous = current.context_id
         current.context_id = self._context_id
         try:
