@@ -552,6 +552,41 @@ def test_gradients_kept_from_the_wire_are_never_shared(workers: list[str], order
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("same_leaf", [False, True], ids=["two-leaves", "one-leaf-twice"])
+def test_a_gradient_given_for_two_leaves_is_kept_by_the_last_only(
+    workers: list[str], monkeypatch: pytest.MonkeyPatch, same_leaf: bool
+) -> None:
+    """An add's two inputs get one gradient object, which its reply carries once (pickle's
+    memo): the first leaf takes a copy and the last keeps the tensor itself, so the two
+    leaves' gradients stay apart (a second pass adds into each on its own). One leaf
+    sent twice travels once, and its one gradient (the two uses' sum) is kept."""
+    a, b = _leaves((3,), (3,), seed=41)
+    second = a if same_leaf else b
+    with dist_autograd.context() as context_id:
+        ctx = dist_autograd._retrieve_context(context_id)
+        owned_flags: list[bool] = []
+        accumulate = ctx.accumulate
+
+        def spy(leaf: torch.Tensor, grad: torch.Tensor, owned: bool = False) -> None:
+            owned_flags.append(owned)
+            accumulate(leaf, grad, owned)
+
+        monkeypatch.setattr(ctx, "accumulate", spy)
+        loss = rpc.rpc_sync("worker1", torch.add, args=(a, second)).sum()
+        for passes in (1, 2):
+            dist_autograd.backward(context_id, [loss], retain_graph=True)
+            assert owned_flags == ([True] if same_leaf else [False, True]) * passes
+            grads = dist_autograd.get_gradients(context_id)
+            per_use = torch.full((3,), float(passes), dtype=torch.float64)
+            if same_leaf:
+                torch.testing.assert_close(grads[a], per_use * 2)
+            else:
+                torch.testing.assert_close(grads[a], per_use)
+                torch.testing.assert_close(grads[b], per_use)
+                assert grads[a].data_ptr() != grads[b].data_ptr()
+
+
+@pytest.mark.timeout(60)
 def test_an_expanded_gradient_from_the_wire_is_copied(workers: list[str]) -> None:
     """A received gradient with zero strides (the sum's) cannot be added into in place."""
     t1, t2 = _leaves((3, 3), (3, 3), seed=6)

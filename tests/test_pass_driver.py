@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from actorrpc.autograd._pass_driver import PassDriver, appearing_once
+from actorrpc.autograd._pass_driver import PassDriver, kept_positions
 from actorrpc.errors import DistAutogradError
 
 pytestmark = pytest.mark.timeout(30)
@@ -23,11 +23,11 @@ class _Passes:
     def __init__(self, plan: dict[int, tuple[list[torch.futures.Future], list[Any]]]) -> None:
         self.plan = plan
         self.ran: list[tuple[int, list[Any]]] = []
-        self.single: list[frozenset[int]] = []
+        self.kept: list[dict[int, int]] = []
 
-    def __call__(self, message_id: int, grads: list[Any], single: frozenset[int]) -> Any:
+    def __call__(self, message_id: int, grads: list[Any], kept: dict[int, int]) -> Any:
         self.ran.append((message_id, grads))
-        self.single.append(single)
+        self.kept.append(kept)
         step = self.plan[message_id]
         if isinstance(step, BaseException):
             raise step
@@ -86,15 +86,18 @@ def test_a_malformed_reply_fails_instead_of_hanging(reply: Any) -> None:
         driver.result.wait()
 
 
-def test_only_gradients_that_appear_once_in_a_reply_may_be_kept() -> None:
+def test_a_reply_s_tensors_may_be_kept_at_their_last_use_within_one_message_only() -> None:
     """A reply handing back one tensor object for two messages (pickle's memo) marks it
-    as not kept: the context must copy it (see ``DistAutogradContext.accumulate``)."""
-    shared, alone, other = torch.ones(2), torch.zeros(2), torch.ones(3)
+    as not kept: the context must copy it (see ``DistAutogradContext.accumulate``). A
+    tensor given twice within one message may be kept at its last position only."""
+    shared, alone, other, twice = torch.ones(2), torch.zeros(2), torch.ones(3), torch.ones(4)
     passes = _Passes({7: ([], []), 8: ([], [])})
     driver = PassDriver(passes, _inline_submit)
     reply: torch.futures.Future = torch.futures.Future()
     driver.add([reply], [])
-    reply.set_result([(7, [shared, alone]), (8, [shared, None, other])])
-    assert passes.single == [frozenset({id(alone), id(other)})] * 2
-    assert appearing_once([[shared, shared], [None]]) == frozenset()
+    reply.set_result([(7, [shared, alone, twice, twice]), (8, [shared, None, other])])
+    expected = {id(alone): 1, id(twice): 3, id(other): 2}
+    assert passes.kept == [expected] * 2
+    assert kept_positions([[shared, shared], [None]]) == {id(shared): 1}
+    assert kept_positions([[shared], [shared]]) == {}
     driver.result.wait()

@@ -269,8 +269,9 @@ class DistAutogradContext:
     def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor, owned: bool = False) -> None:
         """Add ``grad`` into the context's gradient of ``leaf`` (never into ``leaf.grad``).
 
-        ``owned``: nothing else refers to ``grad`` (it was just unpickled, and is
-        not given for another leaf too), so the context may keep it rather than a copy.
+        ``owned``: nothing else refers to ``grad`` (it was just unpickled) and nothing
+        reads it after this call (where one tensor is given for several leaves, only
+        its last use), so the context may keep it rather than a copy.
         """
         with self.lock:
             if self.released:

@@ -93,7 +93,7 @@ from ._context import (
 )
 from ._context import THREAD_CONTEXT as _current  # this thread's current context id
 from ._functions import Reach, find_grad_tensors, gradients_at, reach_from
-from ._pass_driver import Owed, PassDriver, appearing_once, checked_reply
+from ._pass_driver import Owed, PassDriver, checked_reply, kept_positions
 from ._recording import KEY_CONTEXT, KEY_MESSAGE, KEY_RESPONSE, ServingInContext, attach_recv
 
 __all__ = ["EXTENSION", "AutogradEngine", "engine_of", "install"]
@@ -231,7 +231,7 @@ class AutogradEngine:
                 break
             (message_id, grads), handed_back = handed_back[0], []
             futures, _ = self._continue_at(ctx, message_id, grads, retain_graph, pass_id, None,
-                                           appearing_once([grads]))
+                                           kept_positions([grads]))
         if not futures and not handed_back:
             return
         lock = threading.Lock()
@@ -272,8 +272,8 @@ class AutogradEngine:
     def _driver(self, ctx: DistAutogradContext, retain_graph: bool, pass_id: int,
                 reply_to: int | None, submit: Callable[..., None] | None = None) -> PassDriver:
         return PassDriver(
-            lambda message_id, grads, single: self._continue_at(
-                ctx, message_id, grads, retain_graph, pass_id, reply_to, single
+            lambda message_id, grads, kept: self._continue_at(
+                ctx, message_id, grads, retain_graph, pass_id, reply_to, kept
             ),
             submit or self.agent.submit,
             self.agent,
@@ -344,12 +344,12 @@ class AutogradEngine:
         retain_graph: bool,
         pass_id: int,
         reply_to: int | None,
-        single: frozenset[int] = frozenset(),
+        kept: dict[int, int] | None = None,
     ) -> tuple[list[CallResult[Any]], Owed]:
         """Continue a pass from this worker's send function ``message_id`` with ``grads``.
 
-        ``single``: ids of gradients that appear once in the message they were
-        unpickled from; the context may keep those rather than copies.
+        ``kept``: for gradients unpickled from the message, the position in ``grads`` at
+        which the context may keep each rather than a copy (``kept_positions``).
         """
         send = ctx.get_send(message_id)
         if send is None:
@@ -378,9 +378,11 @@ class AutogradEngine:
             # each tensor of the message was a leaf: its gradient is the one that came
             # back, as the engine would find it (SendRpcBackward is the identity)
             ctx.claim([("send", message_id)], pass_id, retain_graph)
-            for leaf, grad in zip(leaves, grads):
+            kept = kept or {}
+            # (a tensor given for several leaves: copies first, then the last keeps it)
+            for position, (leaf, grad) in enumerate(zip(leaves, grads)):
                 if grad is not None:
-                    ctx.accumulate(leaf, grad, owned=id(grad) in single)
+                    ctx.accumulate(leaf, grad, owned=kept.get(id(grad)) == position)
             return [], []
         if reach is None:  # (leaves whose gradients need the engine: hooks, casts)
             reach = send.pass_reach()
@@ -405,7 +407,7 @@ class AutogradEngine:
         ctx = self.store.retrieve(context_id)
         requester = request.sender.id
         futures, owed = self._continue_at(ctx, message_id, grads, retain_graph, pass_id,
-                                          requester, appearing_once([grads]))
+                                          requester, kept_positions([grads]))
         if not futures:
             return owed or None
         driver = self._driver(ctx, retain_graph, pass_id, requester)

@@ -29,11 +29,11 @@ from typing import Any
 from ..agent import Agent, CallResult, complete
 from ..errors import DistAutogradError
 
-__all__ = ["Owed", "PassDriver", "appearing_once", "checked_reply"]
+__all__ = ["Owed", "PassDriver", "kept_positions", "checked_reply"]
 
 Owed = list[tuple[int, list[Any]]]  # (message id of one of the requester's send functions, grads)
 # (message id, grads, ids of the tensors among them that appear once in their message)
-ContinueAt = Callable[[int, list[Any], frozenset[int]], tuple[list[CallResult[Any]], Owed]]
+ContinueAt = Callable[[int, list[Any], dict[int, int]], tuple[list[CallResult[Any]], Owed]]
 
 
 class PassDriver:
@@ -70,9 +70,9 @@ class PassDriver:
         """Gradients handed back to this worker: a local pass for each, through ``submit``."""
         with self._lock:
             self._outstanding += len(handed_back)
-        single = appearing_once(grads for _, grads in handed_back)
+        kept = kept_positions(grads for _, grads in handed_back)
         for message_id, grads in handed_back:
-            self._submit(self._run, message_id, grads, single)
+            self._submit(self._run, message_id, grads, kept)
 
     def _on_reply(self, future: CallResult[Any]) -> None:
         handed_back: Owed = []
@@ -83,9 +83,9 @@ class PassDriver:
         self.hand_back(handed_back)
         self._finish_one()
 
-    def _run(self, message_id: int, grads: list[Any], single: frozenset[int]) -> None:
+    def _run(self, message_id: int, grads: list[Any], kept: dict[int, int]) -> None:
         try:
-            futures, owed = self._continue_at(message_id, grads, single)
+            futures, owed = self._continue_at(message_id, grads, kept)
         except BaseException as exc:  # noqa: BLE001
             self.fail(exc)
             return
@@ -108,20 +108,30 @@ class PassDriver:
             complete(self.result, owed)
 
 
-def appearing_once(grad_lists: Iterable[list[Any]]) -> frozenset[int]:
-    """Ids of the tensors that appear once in all of ``grad_lists`` (one unpickled
-    message): pickle gives a tensor that was sent twice as one object, and only a
-    tensor nothing else refers to may be kept by a context rather than copied."""
-    counts: dict[int, int] = {}
-    for grads in grad_lists:
-        for grad in grads:
+def kept_positions(grad_lists: Iterable[list[Any]]) -> dict[int, int]:
+    """Where a context may keep each tensor of one unpickled message rather than a copy:
+    ``id(tensor) -> position`` of its last appearance in its list, for the tensors that
+    appear in one of ``grad_lists`` only.
+
+    Pickle gives a tensor that was sent twice as one object (the gradients of an
+    ``add``'s two inputs are one tensor), and nothing else refers to it: the leaves
+    before its last appearance take copies, and the last may keep it, as nothing reads
+    it afterwards. A tensor that appears in two lists (two send functions, passes that
+    may run at once) is always copied.
+    """
+    positions: dict[int, int] = {}
+    list_of: dict[int, int] = {}
+    shared: list[int] = []
+    for number, grads in enumerate(grad_lists):  # (loops: a generator is a frame per item)
+        for position, grad in enumerate(grads):
             if grad is not None:
-                counts[id(grad)] = counts.get(id(grad), 0) + 1
-    once = []  # (loops: a generator is a Python frame per item)
-    for key, count in counts.items():
-        if count == 1:
-            once.append(key)
-    return frozenset(once)
+                key = id(grad)
+                if list_of.setdefault(key, number) != number:
+                    shared.append(key)
+                positions[key] = position
+    for key in shared:
+        positions.pop(key, None)
+    return positions
 
 
 def checked_reply(reply: Any) -> Owed:
