@@ -29,10 +29,10 @@ from typing import Any
 from ..agent import Agent, CallResult, complete
 from ..errors import DistAutogradError
 
-__all__ = ["Owed", "PassDriver", "kept_positions", "checked_reply"]
+__all__ = ["Owed", "PassDriver", "checked_reply", "kept_positions"]
 
 Owed = list[tuple[int, list[Any]]]  # (message id of one of the requester's send functions, grads)
-# (message id, grads, ids of the tensors among them that appear once in their message)
+# (message id, grads, where each tensor among them may be kept: ``kept_positions``)
 ContinueAt = Callable[[int, list[Any], dict[int, int]], tuple[list[CallResult[Any]], Owed]]
 
 
