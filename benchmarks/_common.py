@@ -89,12 +89,18 @@ def latency_stats(samples_s: Sequence[float]) -> dict[str, float]:
     }
 
 
-def time_calls(fn: Callable[[int], object], warmup: int, n: int) -> list[float]:
-    """Call ``fn(i)`` ``warmup`` times untimed, then ``n`` times timed; return durations (s)."""
-    for i in range(warmup):
+def time_calls(
+    fn: Callable[[int], object], warmup: int, n: int, warmup_s: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
+    """Call ``fn(i)`` untimed ``warmup`` times and for at least ``warmup_s`` seconds, then
+    ``n`` times timed; return the timed durations (s)."""
+    started = clock()
+    i = 0
+    while i < warmup or clock() - started < warmup_s:
         fn(i)
+        i += 1
     samples: list[float] = []
-    clock = time.perf_counter
     for i in range(n):
         t0 = clock()
         fn(i)

@@ -37,10 +37,12 @@ class Config:
     echo_1mb_n: int = 300
     echo_64mb_warmup: int = 3
     echo_64mb_n: int = 30
-    # the warm-up spans the ~0.5 s after the 64 MB echo in which any process on these VMs
-    # runs slower (local clones of 64 MB show it too, without RPC); 500 iterations (166 a
-    # round) after 50 measured that transient more than the iteration (thirty-first session)
+    # the warm-up (1,000 iterations and 1 s at least) spans the ~0.5 s after the 64 MB echo
+    # in which any process on these VMs runs slower (local clones of 64 MB show it too,
+    # without RPC); 500 iterations (166 a round) after 50 measured that transient more than
+    # the iteration (docs/performance.md, "Thirty-first session")
     autograd_warmup: int = 1000
+    autograd_warmup_s: float = 1.0
     autograd_n: int = 3000
     train_warmup: int = 20
     train_n: int = 300
@@ -64,6 +66,7 @@ QUICK = Config(
     echo_64mb_warmup=0,
     echo_64mb_n=0,
     autograd_warmup=5,
+    autograd_warmup_s=0.0,
     autograd_n=50,
     train_warmup=3,
     train_n=20,
@@ -211,7 +214,9 @@ def bench_autograd(rpc: ModuleType, dist_autograd: ModuleType, cfg: Config) -> d
         if not torch.equal(grads[a], torch.ones_like(a)):
             raise AssertionError("wrong gradient for a")
 
-    return latency_stats(time_calls(iteration, cfg.autograd_warmup, cfg.autograd_n))
+    return latency_stats(
+        time_calls(iteration, cfg.autograd_warmup, cfg.autograd_n, cfg.autograd_warmup_s)
+    )
 
 
 def run_metric(name: str, backend: Backend, cfg: Config) -> dict[str, Any]:

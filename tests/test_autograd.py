@@ -308,7 +308,7 @@ def test_gradients_of_the_wrong_shape_from_a_peer_are_refused(workers: list[str]
         (message_id,) = dist_autograd._current_context()._send_functions()
         wrong = [torch.ones(2, 3, 3), torch.ones(3, 3)]  # broadcasts to (3, 3)
         with pytest.raises(DistAutogradError, match=r"shape \(2, 3, 3\) for a tensor of shape"):
-            engine._continue_at(ctx, message_id, wrong, False, 1, None)
+            engine._continue_at(ctx, message_id, wrong, False, 1, None, {})
         assert t1.grad is None and dist_autograd.get_gradients(context_id) == {}
 
 
@@ -380,7 +380,8 @@ def test_gradients_for_sent_leaves_go_to_them_without_an_engine_pass(
         ctx = _engine.engine_of(current_agent()).store.retrieve(context_id)
         (message_id,) = dist_autograd._current_context()._send_functions()
         float32 = [torch.ones(3, 3, dtype=torch.float32), torch.ones(3, 3, dtype=torch.float32)]
-        _engine.engine_of(current_agent())._continue_at(ctx, message_id, float32, True, 1, None)
+        _engine.engine_of(current_agent())._continue_at(ctx, message_id, float32, True, 1, None,
+                                                         {})
         grads = dist_autograd.get_gradients(context_id)
         assert grads[t1].dtype == grads[t2].dtype == torch.float64
 
@@ -584,6 +585,27 @@ def test_a_gradient_given_for_two_leaves_is_kept_by_the_last_only(
                 torch.testing.assert_close(grads[a], per_use)
                 torch.testing.assert_close(grads[b], per_use)
                 assert grads[a].data_ptr() != grads[b].data_ptr()
+
+
+def _sparse_embedding_sum(weight: torch.Tensor) -> torch.Tensor:
+    rows = torch.tensor([0, 2, 2])
+    return torch.nn.functional.embedding(rows, weight, sparse=True).sum()
+
+
+@pytest.mark.timeout(60)
+def test_a_sparse_gradient_from_the_wire_goes_to_its_leaf(workers: list[str]) -> None:
+    """A dense leaf's gradient that comes back sparse (an embedding with ``sparse=True`` on
+    the callee) is taken as a sparse gradient, and a second pass adds into it."""
+    weight = torch.ones(4, 2, dtype=torch.float64, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker1", _sparse_embedding_sum, args=(weight,))
+        expected = torch.tensor([[1.0, 1.0], [0.0, 0.0], [2.0, 2.0], [0.0, 0.0]],
+                                dtype=torch.float64)
+        for passes in (1, 2):
+            dist_autograd.backward(context_id, [loss], retain_graph=True)
+            grad = dist_autograd.get_gradients(context_id)[weight]
+            assert grad.is_sparse
+            torch.testing.assert_close(grad.to_dense(), expected * passes)
 
 
 @pytest.mark.timeout(60)

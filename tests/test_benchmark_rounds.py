@@ -133,3 +133,25 @@ def test_wait_idle_is_an_option_of_the_benchmark_and_recorded() -> None:
     assert asked == [90.0, 30.0]
     with pytest.raises(SystemExit, match="--wait-idle"):
         bench_rpc.main(["--wait-idle", "-1"])
+
+
+def test_a_warm_up_runs_its_count_and_its_seconds_whichever_ends_later() -> None:
+    """``time_calls`` warms up for ``warmup`` calls and at least ``warmup_s`` seconds (a fake
+    clock that advances 0.25 s a call), then times exactly ``n`` calls."""
+    import _common
+
+    now = [0.0]
+    calls: list[int] = []
+
+    def clock() -> float:
+        return now[0]
+
+    def call(i: int) -> None:
+        calls.append(i)
+        now[0] += 0.25
+
+    assert len(_common.time_calls(call, 2, 3, warmup_s=1.0, clock=clock)) == 3
+    assert calls == [0, 1, 2, 3, 0, 1, 2]  # 4 warm-up calls fill the second
+    calls.clear()
+    assert len(_common.time_calls(call, 5, 1, warmup_s=0.5, clock=clock)) == 1
+    assert calls == [0, 1, 2, 3, 4, 0]  # the count outlasts the seconds

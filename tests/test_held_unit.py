@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from actorrpc.agent import _held as _held_module
 from actorrpc.agent._held import HOLD_SECONDS, HeldRequest, HeldRequests, ignore_while_holding
 from actorrpc.agent._worker_info import validate_worker_name
 from actorrpc.errors import PeerUnreachableError
@@ -205,6 +206,45 @@ def test_the_hook_sends_with_the_collector_paused_and_restores_it(
         (gc.enable if was_enabled else gc.disable)()
     assert seen == [False, False]
     assert [m for _, _, m in agent.sent] == [8, 7]
+
+
+def test_overlapping_hook_sends_keep_the_collector_paused_until_the_last_ends() -> None:
+    """Two threads' hooks sending at once: the first to finish must not turn the collector
+    back on while the other still sends; it is on again once both are done."""
+    first_sending, second_sending, first_done = (threading.Event() for _ in range(3))
+    seen: list[bool] = []
+
+    class _Held:
+        def __init__(self, role: str) -> None:
+            self.role = role
+
+        def release(self, future: Any) -> None:
+            if self.role == "first":
+                first_sending.set()
+                assert second_sending.wait(10)
+            else:
+                second_sending.set()
+                assert first_done.wait(10)
+                seen.append(gc.isenabled())  # the first one has finished by now
+
+    was_enabled = gc.isenabled()
+    gc.enable()
+    try:
+        first = threading.Thread(target=_held_module._release_from_hook,
+                                 args=(_Held("first"), None))
+        first.start()
+        assert first_sending.wait(10)
+        second = threading.Thread(target=_held_module._release_from_hook,
+                                  args=(_Held("second"), None))
+        second.start()
+        first.join(10)
+        first_done.set()
+        second.join(10)
+        assert not first.is_alive() and not second.is_alive()
+        assert seen == [False]
+        assert gc.isenabled()
+    finally:
+        (gc.enable if was_enabled else gc.disable)()
 
 
 class _Finalized:

@@ -476,12 +476,12 @@ def driver_timeouts(ctx):
     res["late calls still work"] = rpc.rpc_sync("worker1", add, args=(1, 2))
     # A fetch of an RRef its owner never hears of (its creator died first): the caller gives
     # up after its timeout; the owner should not keep the request in flight for ever. The
-    # owner's bound (2 s) outlasts the caller's timeout (1 s): with equal ones the owner's
-    # timeout reply (a FetchFailure value, which to_here() raises) could beat the caller's
-    # own deadline.
+    # owner's bound (3 s) outlasts the caller's timeout (0.5 s) by far: with equal ones the
+    # owner's timeout reply (a FetchFailure value, which to_here() raises) could beat the
+    # caller's own deadline.
     agent = current_agent()
     fetch = agent.send_request(agent.resolve("worker1"), MessageKind.RREF_FETCH,
-                               (("never-created", 1), {}, 2.0), 1.0, description="orphan fetch")
+                               (("never-created", 1), {}, 3.0), 0.5, description="orphan fetch")
     res["orphan fetch"] = outcome(fetch.wait)
     res["orphan fetch released on the owner"] = outcome(lambda: wait_for(
         lambda: rpc.rpc_sync("worker1", in_flight) == 1, 10, "owner has only our query in flight"))

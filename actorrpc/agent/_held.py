@@ -107,17 +107,28 @@ def _release_from_hook(held: HeldRequests, future: Any) -> None:
     The hook runs while the frame it reports is being entered, and sending allocates
     enough to start a collection there. CPython 3.11 has crashed when a collection walked
     a frame in that state (gh-101975, fixed for one case); the suite once died with a
-    SIGSEGV in this hook (twenty-ninth session, not reproduced since). The collection
-    waits until the request left: one message's worth of allocations.
+    SIGSEGV in this hook (docs/performance.md, "Twenty-ninth session"; not reproduced
+    since). The collection waits until the request left: one message's worth of
+    allocations. Pauses of several threads at once nest (the collector comes back with
+    the last one); a ``gc.disable()`` by other code during a pause is undone by its end.
     """
-    collecting = gc.isenabled()
-    if collecting:
-        gc.disable()
+    with _collector_pause_lock:
+        if not _collector_pause[0]:
+            _collector_pause[1] = gc.isenabled()
+            gc.disable()
+        _collector_pause[0] += 1
     try:
         held.release(future)
     finally:
-        if collecting:
-            gc.enable()
+        with _collector_pause_lock:
+            _collector_pause[0] -= 1
+            if not _collector_pause[0] and _collector_pause[1]:
+                gc.enable()
+
+
+# (hooks sending now, whether the collector ran before the first of them paused it)
+_collector_pause: list[Any] = [0, False]
+_collector_pause_lock = threading.Lock()
 
 
 class HeldRequests:

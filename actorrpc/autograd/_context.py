@@ -269,9 +269,9 @@ class DistAutogradContext:
     def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor, owned: bool = False) -> None:
         """Add ``grad`` into the context's gradient of ``leaf`` (never into ``leaf.grad``).
 
-        ``owned``: nothing else refers to ``grad`` (it was just unpickled) and nothing
-        reads it after this call (where one tensor is given for several leaves, only
-        its last use), so the context may keep it rather than a copy.
+        ``owned``: ``grad`` was just unpickled and nothing reads it after this call
+        (where one tensor is given for several leaves: its last use), so the context may
+        keep it rather than a copy.
         """
         with self.lock:
             if self.released:
@@ -280,10 +280,11 @@ class DistAutogradContext:
             if entry is None:
                 # later gradients are added into it in place: a copy unless owned (an
                 # engine's gradient may be a caller's tensor, or given to two leaves)
-                # and contiguous (a received expanded gradient keeps its zero strides)
+                # and contiguous (a received expanded gradient keeps its zero strides; a
+                # sparse one is copied too: older torch refuses is_contiguous() on it)
                 if grad.requires_grad:  # (rare: an engine's gradient under create_graph)
                     grad, owned = grad.detach(), False
-                keep = owned and grad.is_contiguous()
+                keep = owned and grad.layout == torch.strided and grad.is_contiguous()
                 self.grads[id(leaf)] = (leaf, grad if keep else grad.clone())
             elif entry[1].is_sparse and not grad.is_sparse:
                 self.grads[id(leaf)] = (leaf, entry[1] + grad)  # dense result; rare path
@@ -363,12 +364,11 @@ class _CurrentContext(threading.local):
     context_id: int | None = None
 
 
-_local = _CurrentContext()
 # (``THREAD_CONTEXT.context_id``: this thread's current context id; entering and leaving a
 # context or a served call set it directly, and hot paths read it without a frame)
-THREAD_CONTEXT = _local
+THREAD_CONTEXT = _CurrentContext()
 
 
 def current_context_id() -> int | None:
-    return _local.context_id
+    return THREAD_CONTEXT.context_id
 

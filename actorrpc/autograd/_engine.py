@@ -344,7 +344,7 @@ class AutogradEngine:
         retain_graph: bool,
         pass_id: int,
         reply_to: int | None,
-        kept: dict[int, int] | None = None,
+        kept: dict[int, int],
     ) -> tuple[list[CallResult[Any]], Owed]:
         """Continue a pass from this worker's send function ``message_id`` with ``grads``.
 
@@ -378,8 +378,8 @@ class AutogradEngine:
             # each tensor of the message was a leaf: its gradient is the one that came
             # back, as the engine would find it (SendRpcBackward is the identity)
             ctx.claim([("send", message_id)], pass_id, retain_graph)
-            kept = kept or {}
-            # (a tensor given for several leaves: copies first, then the last keeps it)
+            # (a tensor given for several leaves: the earlier ones copy it first, then the
+            # last keeps it; kept first, another thread could add into it before a copy)
             for position, (leaf, grad) in enumerate(zip(leaves, grads)):
                 if grad is not None:
                     ctx.accumulate(leaf, grad, owned=kept.get(id(grad)) == position)

@@ -22,6 +22,7 @@ reaches zero exactly once, when the whole pass is done on this worker.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from ..errors import DistAutogradError
 __all__ = ["Owed", "PassDriver", "checked_reply", "kept_positions"]
 
 Owed = list[tuple[int, list[Any]]]  # (message id of one of the requester's send functions, grads)
+_GRADS = operator.itemgetter(1)  # (message id, grads) -> grads
 # (message id, grads, where each tensor among them may be kept: ``kept_positions``)
 ContinueAt = Callable[[int, list[Any], dict[int, int]], tuple[list[CallResult[Any]], Owed]]
 
@@ -68,9 +70,11 @@ class PassDriver:
 
     def hand_back(self, handed_back: Owed) -> None:
         """Gradients handed back to this worker: a local pass for each, through ``submit``."""
+        if not handed_back:
+            return
         with self._lock:
             self._outstanding += len(handed_back)
-        kept = kept_positions(grads for _, grads in handed_back)
+        kept = kept_positions(list(map(_GRADS, handed_back)))
         for message_id, grads in handed_back:
             self._submit(self._run, message_id, grads, kept)
 

@@ -361,9 +361,9 @@ class RingReader:
         if count:
             self._words[_TAIL] = self._tail  # the writer may reuse the space now
         if self.open and self._words[_HEAD] != self._tail:  # waits for a spill, or corrupt
-            waiting = self._next_sequence()
-            if waiting < self._expected:
-                raise ProtocolError(f"ring {self.name}: record {waiting} came twice")
+            next_record = self._next_sequence()
+            if next_record < self._expected:
+                raise ProtocolError(f"ring {self.name}: record {next_record} came twice")
         waiting = bool(self._spilled) or self._words[_HEAD] != self._tail
         if waiting or self._waiting_since:  # (the call only then: a frame less per read)
             self._note_wait(waiting)
