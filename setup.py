@@ -3,11 +3,82 @@
 `packages` is computed here because setup.cfg's ``find:`` cannot add the
 top-level ``cli/`` folder, which is installed as ``actorrpc.cli`` through the
 ``package_dir`` mapping in setup.cfg (no top-level ``cli`` package is installed).
+
+``ACTORRPC_COMPILE=1 pip install ...`` also compiles the per-message path (the modules in
+``COMPILED_MODULES``) with mypyc: the build environment gets mypy, and a C compiler
+must be present. Without it the package is pure Python, as before. Which build a process
+runs is reported by ``actorrpc._compiled.compiled_modules()``; the rules compiled code
+keeps are in that module's docstring.
 """
+
+from __future__ import annotations
+
+import os
+import sys
 
 from setuptools import find_packages, setup
 
 packages = find_packages(include=["actorrpc", "actorrpc.*"], exclude=["actorrpc.cli*"])
 packages += ["actorrpc.cli" + name[len("cli"):] for name in find_packages(include=["cli", "cli.*"])]
 
-setup(packages=packages)
+# The per-message path: what one call, its reply and a distributed backward run through.
+COMPILED_MODULES = [
+    "actorrpc/protocol/_wire.py",
+    "actorrpc/transport/_link.py",
+    "actorrpc/transport/_ring.py",
+    "actorrpc/transport/_ring_inbox.py",
+    "actorrpc/transport/_spin.py",
+    "actorrpc/transport/_zmq.py",
+    "actorrpc/serialization/_function_refs.py",
+    "actorrpc/serialization/_tensors.py",
+    "actorrpc/agent/_agent.py",
+    "actorrpc/agent/_batch_scheduling.py",
+    "actorrpc/agent/_calls.py",
+    "actorrpc/agent/_current.py",
+    "actorrpc/agent/_deadlines.py",
+    "actorrpc/agent/_deferred_riders.py",
+    "actorrpc/agent/_dispatch.py",
+    "actorrpc/agent/_inbox.py",
+    "actorrpc/agent/_liveness.py",
+    "actorrpc/agent/_members.py",
+    "actorrpc/agent/_pool.py",
+    "actorrpc/agent/_replies.py",
+    "actorrpc/agent/_riders.py",
+    "actorrpc/agent/_shared_buffers.py",
+    "actorrpc/agent/_timed_work.py",
+    "actorrpc/autograd/_context.py",
+    "actorrpc/autograd/_engine.py",
+    "actorrpc/autograd/_functions.py",
+    "actorrpc/autograd/_pass_driver.py",
+    "actorrpc/autograd/_recording.py",
+]
+MYPY_FOR_COMPILING = "mypy==2.4.1"  # (constraints.txt pins the same one for linting)
+
+
+_METADATA_ONLY = {"egg_info", "dist_info"}  # what the build backend runs before building
+
+
+def _compile_requested() -> bool:
+    return os.environ.get("ACTORRPC_COMPILE", "").lower() in ("1", "true", "yes")
+
+
+def _compiled_extensions() -> list:  # type: ignore[type-arg]
+    if not _compile_requested() or _METADATA_ONLY.intersection(sys.argv):
+        return []  # (type-checking and translating take a minute or two: only when building)
+    try:
+        from mypyc.build import mypycify
+    except ImportError:
+        raise SystemExit(
+            f"ACTORRPC_COMPILE=1 needs mypyc ({MYPY_FOR_COMPILING}) in the build environment"
+        ) from None
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    # torch, pyzmq and dill are not in an isolated build environment: typed as Any there
+    options = ["--ignore-missing-imports", f"--python-version={version}"]
+    return mypycify(options + COMPILED_MODULES, opt_level="3")
+
+
+setup(
+    packages=packages,
+    ext_modules=_compiled_extensions(),
+    setup_requires=[MYPY_FOR_COMPILING] if _compile_requested() else [],
+)

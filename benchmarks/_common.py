@@ -190,7 +190,20 @@ def machine_info() -> dict[str, Any]:
         info["libzmq"] = "unknown"
     ensure_repo_on_path()
     info["actorrpc"] = _version("actorrpc")
+    info["actorrpc_build"] = actorrpc_build()
     return info
+
+
+def actorrpc_build() -> str:
+    """``compiled (mypyc, N modules)`` or ``pure Python``: the actorrpc this process (and
+    the workers it spawns, which import the same tree) runs."""
+    ensure_repo_on_path()
+    import actorrpc.agent
+    import actorrpc.autograd  # noqa: F401 - (loads the compiled autograd modules too)
+    from actorrpc._compiled import compiled_modules
+
+    compiled = compiled_modules()
+    return f"compiled (mypyc, {len(compiled)} modules)" if compiled else "pure Python"
 
 
 class SessionError(Exception):

@@ -368,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{report['machine']['python_probe_us_at_start']:.1f} at start, "
         f"{report['python_probe_us_at_end']:.1f} at end."
     )
+    print(f"actorrpc build: {report['machine']['actorrpc_build']}.")
     problems = error_lines(results, floor)
     if problems:
         print("\nErrors / n/a:")

@@ -344,6 +344,7 @@ def test_gradients_for_the_requester_travel_in_the_reply(workers: list[str]) -> 
         _assert_grads(context_id, [t1, t2], [t2.detach(), t1.detach()])
 
 
+@pytest.mark.internals
 @pytest.mark.timeout(60)
 def test_gradients_for_sent_leaves_go_to_them_without_an_engine_pass(
     workers: list[str], monkeypatch: pytest.MonkeyPatch
@@ -468,6 +469,7 @@ def test_a_callees_send_functions_are_worked_out_after_its_reply(workers: list[s
         del rref
 
 
+@pytest.mark.internals
 @pytest.mark.timeout(60)
 def test_an_initiator_with_one_message_out_waits_on_its_reply_directly(
     workers: list[str], monkeypatch: pytest.MonkeyPatch
@@ -552,6 +554,7 @@ def test_gradients_kept_from_the_wire_are_never_shared(workers: list[str], order
                 assert grads[a] is not grads[b]
 
 
+@pytest.mark.internals
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("same_leaf", [False, True], ids=["two-leaves", "one-leaf-twice"])
 def test_a_gradient_given_for_two_leaves_is_kept_by_the_last_only(

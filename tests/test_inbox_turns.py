@@ -27,7 +27,7 @@ from actorrpc.protocol import MessageKind
 from ._cluster import run_script
 from ._waiting import wait_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.internals]  # (stand-ins, patched methods)
 
 
 def _plus_one(x: int) -> int:

@@ -19,7 +19,7 @@ from actorrpc.agent._liveness import LivenessMonitor
 from actorrpc.errors import RpcTimeoutError
 from actorrpc.protocol import MessageKind
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.internals]  # (stand-ins, patched methods)
 
 TIMEOUT = 5.0
 

@@ -13,7 +13,7 @@ from actorrpc.autograd._engine import AutogradEngine
 from actorrpc.autograd._functions import make_recv_outputs, reach_from
 from actorrpc.errors import DistAutogradError
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.internals]  # (stand-ins, patched methods)
 
 
 class _RecordingAgent:

@@ -21,7 +21,7 @@ from actorrpc.agent._timed_work import MAX_POLL, QUIET_POLL, QUIET_SECONDS, Quie
 from ._cluster import free_port, run_script
 from ._waiting import start_blocked, wait_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.internals]  # (stand-ins, patched methods)
 
 
 # -- the verdict ----------------------------------------------------------------------------

@@ -30,6 +30,8 @@ from actorrpc.protocol import MessageKind, decode_riders
 from ._cluster import run_script
 from ._waiting import wait_for, wait_until
 
+pytestmark = pytest.mark.internals  # (stand-ins for the agent)
+
 WAIT = 20.0
 
 

@@ -1376,6 +1376,7 @@ def _send_back_to_owner(rrefs: list[rpc.RRef]) -> Any:
     return rpc.rpc_sync("worker0", _sum_local_values, args=(rrefs,))
 
 
+@pytest.mark.internals
 def test_an_owner_accepts_a_users_rref_with_a_notification(cluster, monkeypatch):
     """A user's RRef sent to its owner: the owner's RREF_CHILD_ACCEPT is a notification
     (no reply to wait for or send), and the user lets the parent go when it arrives."""

@@ -257,6 +257,7 @@ class _Dispatcher:
         MessageDispatcher._run_after_reply(self, work)  # type: ignore[arg-type]
 
 
+@pytest.mark.internals
 def test_a_serving_scopes_work_runs_only_after_a_reply_that_left() -> None:
     """``optional_after_reply`` (a call hook's ``CallRecord.after_reply``) runs after the
     request's own ``after_reply`` once the reply was handed to the link; it is dropped

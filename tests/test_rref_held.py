@@ -87,6 +87,7 @@ def kinds_sent_to_worker1(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return kinds
 
 
+@pytest.mark.internals
 @pytest.mark.timeout(60)
 def test_remote_then_to_here_is_one_request(kinds_sent_to_worker1: list[str]) -> None:
     agent = current_agent()
@@ -102,6 +103,7 @@ def test_remote_then_to_here_is_one_request(kinds_sent_to_worker1: list[str]) ->
     assert kinds_sent_to_worker1[2:] == ["RREF_FETCH"]
 
 
+@pytest.mark.internals
 @pytest.mark.timeout(60)
 def test_a_remote_whose_rref_replaces_another_still_goes_with_its_to_here(
     kinds_sent_to_worker1: list[str], monkeypatch: pytest.MonkeyPatch
@@ -164,6 +166,7 @@ def test_nothing_is_held_under_a_profiler() -> None:
     assert rref.to_here() == 3
 
 
+@pytest.mark.internals
 @pytest.mark.timeout(60)
 def test_to_here_with_its_own_timeout_fetches_separately(
     kinds_sent_to_worker1: list[str],

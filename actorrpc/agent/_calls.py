@@ -249,8 +249,10 @@ def compose_reply_transforms(
     if len(transforms) == 1:
         return transforms[0]
 
+    last_first = transforms[::-1]  # (mypyc cannot compile reversed() over this closure's list)
+
     def transform_all(value: Any) -> Any:
-        for transform in reversed(transforms):
+        for transform in last_first:
             value = transform(value)
         return value
 

@@ -112,7 +112,8 @@ class LivenessMonitor:
             return
         ping.add_done_callback(lambda done: self._on_ping_done(rank, done))
 
-    def _on_ping_done(self, rank: int, done: torch.futures.Future[Any]) -> None:
+    def _on_ping_done(self, rank: int, done: torch._C.Future[Any]) -> None:
+        # (torch hands callbacks its C future, not the Python subclass: typed so for mypyc)
         self._pinging.discard(rank)
         try:
             done.wait()

@@ -13,12 +13,15 @@ the queue, and before it exits.
 
 from __future__ import annotations
 
+import _thread  # noqa: F401  (mypyc: its threading.local subclass needs the module)
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from mypy_extensions import mypyc_attr
 
 from ._batch_scheduling import undo_inherited_batch
 
@@ -29,6 +32,7 @@ _Task = tuple[Callable[..., Any], tuple[Any, ...]]
 STALL_SECONDS = 0.002
 
 
+@mypyc_attr(native_class=False)  # (see actorrpc/_compiled.py)
 class _PoolMembership(threading.local):
     member = False  # set on the pool's own threads (a class default: no failed lookup)
 

@@ -63,12 +63,15 @@ reply leaves no later than:
 
 from __future__ import annotations
 
+import _thread  # noqa: F401  (mypyc: its threading.local subclass needs the module)
 import pickle
 import threading
 import time
 import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from mypy_extensions import mypyc_attr
 
 from ..protocol import MessageKind, encode_riders
 
@@ -120,6 +123,7 @@ _Queued = list[tuple[int, int, Any]]  # (kind, message id, payload or a reply's 
 _T = TypeVar("_T")
 
 
+@mypyc_attr(native_class=False)  # (see actorrpc/_compiled.py)
 class _OwedReplies(threading.local):
     """Per thread: ``ranks``, where the replies it queued go; ``quick``, (kind, id of the
     function) of the last request it ran if that was quick. (Class defaults: a thread

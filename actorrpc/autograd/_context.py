@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import _thread  # noqa: F401  (mypyc: its threading.local subclass needs the module)
 import itertools
 import operator
 import threading
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from mypy_extensions import mypyc_attr
 from torch.autograd.graph import GradientEdge
 
 from ..errors import DistAutogradError
@@ -356,6 +358,7 @@ class ContextStore:
             ctx.release()
 
 
+@mypyc_attr(native_class=False)  # (see actorrpc/_compiled.py)
 class _CurrentContext(threading.local):
     """The current context is per thread (as in torch); it holds an id, not the object,
     so a stale id after shutdown simply finds no context. (A class default: a thread

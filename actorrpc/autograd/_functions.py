@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.autograd.function  # noqa: F401  (mypyc: SendRpc/RecvRpc need the module)
+from mypy_extensions import mypyc_attr
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import has_torch_function
 
@@ -74,6 +76,7 @@ _new_tuple = tuple.__new__
 _ANCHOR = torch.zeros((), requires_grad=True)
 
 
+@mypyc_attr(native_class=False)  # (see actorrpc/_compiled.py)
 class SendRpc(torch.autograd.Function):
     """Identity; its node marks where tensors left this worker."""
 
@@ -90,6 +93,7 @@ class SendRpc(torch.autograd.Function):
         return grads
 
 
+@mypyc_attr(native_class=False)  # (see actorrpc/_compiled.py)
 class RecvRpc(torch.autograd.Function):
     """Identity; its node (tagged with the message) is the grad_fn of received tensors."""
 

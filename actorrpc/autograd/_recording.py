@@ -65,7 +65,7 @@ def _then(future: Any, fn: Callable[[Any], Any]) -> torch.futures.Future:
     """``future.then`` keeping exception types (torch's then() turns them into RuntimeError)."""
     result: torch.futures.Future = torch.futures.Future()
 
-    def done(source: torch.futures.Future) -> None:
+    def done(source: torch._C.Future[Any]) -> None:  # (torch hands callbacks its C future)
         try:
             value = fn(source.wait())
         except BaseException as exc:  # noqa: BLE001 - goes to the caller

@@ -68,6 +68,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from ..errors import ProtocolError
 from ._shared_memory import (
     SHM_DIRECTORY,
@@ -132,6 +134,7 @@ def rings_supported() -> bool:
     )
 
 
+@mypyc_attr(native_class=False)  # (see actorrpc/_compiled.py)
 class CopiedFrame(bytearray):
     """A frame copied out of a ring, read as a ``zmq.Frame`` is (``buffer``, ``bytes``,
     or as any bytes-like object)."""

@@ -38,6 +38,7 @@ from typing import Any
 
 import zmq
 import zmq.auth.thread  # (the type of the authenticator)
+from mypy_extensions import mypyc_attr
 
 from ..errors import ActorRpcError, InvalidArgumentError, PeerUnreachableError
 from ._link import (
@@ -113,6 +114,7 @@ def _thread_name(tid: int) -> str:
         return ""  # the thread ended
 
 
+@mypyc_attr(native_class=False)  # (see actorrpc/_compiled.py)
 class Transport:
     """One worker's sockets: the inbox ROUTER and a DEALER link per peer.
 

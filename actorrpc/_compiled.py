@@ -1,0 +1,42 @@
+"""Which of actorrpc's modules run compiled (mypyc) in this process.
+
+``ACTORRPC_COMPILE=1 pip install ...`` compiles the per-message path (``setup.py``'s
+``COMPILED_MODULES``) with mypyc; the same sources run as pure Python otherwise. Compiled
+code keeps these rules, which the pure-Python build does not need:
+
+- Arguments are checked against their annotations at the call: a parameter typed with
+  one of our classes rejects a stand-in (tests marked ``internals`` run on the
+  pure-Python build only), and a callback torch calls gets ``torch._C.Future``, not the
+  Python subclass. Public functions stay in Python modules, so that a user's wrong
+  argument meets our own error and ``help()`` finds the docstring (compiled functions
+  carry none).
+- Classes are native (fixed attributes, no weak references, methods not replaceable on
+  an instance) unless marked ``@mypyc_attr(native_class=False)``: subclasses of
+  ``threading.local``, ``bytearray`` and ``torch.autograd.Function``, and ``Transport``
+  (a ``weakref.finalize`` closes its nudge pipe).
+- An attribute assigned ``None`` and read again in one function is taken to be ``None``
+  still, whatever a call in between did to it (mypy's narrowing): keep such reads out of
+  compiled modules (``serialization/_pickling.py`` stays Python for this reason).
+- Closures that rebind a ``nonlocal`` from a profile hook and classes deriving from
+  torch's ``Future`` do not compile correctly (``agent/_held.py``, ``agent/_futures.py``
+  stay Python).
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["compiled_modules"]
+
+_EXTENSION_SUFFIXES = (".so", ".pyd")
+
+
+def compiled_modules() -> list[str]:
+    """Names of the loaded ``actorrpc`` modules that are compiled extension modules
+    (empty for the pure-Python build)."""
+    return sorted(
+        name
+        for name, module in list(sys.modules.items())
+        if name.startswith("actorrpc.")
+        and str(getattr(module, "__file__", "") or "").endswith(_EXTENSION_SUFFIXES)
+    )
