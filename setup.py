@@ -30,6 +30,7 @@ COMPILED_MODULES = [
     "actorrpc/transport/_spin.py",
     "actorrpc/transport/_zmq.py",
     "actorrpc/serialization/_function_refs.py",
+    "actorrpc/serialization/_pickling.py",
     "actorrpc/serialization/_tensors.py",
     "actorrpc/agent/_agent.py",
     "actorrpc/agent/_batch_scheduling.py",

@@ -15,11 +15,13 @@ code keeps these rules, which the pure-Python build does not need:
   ``threading.local``, ``bytearray`` and ``torch.autograd.Function``, and ``Transport``
   (a ``weakref.finalize`` closes its nudge pipe).
 - An attribute assigned ``None`` and read again in one function is taken to be ``None``
-  still, whatever a call in between did to it (mypy's narrowing): keep such reads out of
-  compiled modules (``serialization/_pickling.py`` stays Python for this reason).
-- Closures that rebind a ``nonlocal`` from a profile hook and classes deriving from
-  torch's ``Future`` do not compile correctly (``agent/_held.py``, ``agent/_futures.py``
-  stay Python).
+  still, whatever a call in between did to it (mypy's narrowing, checked at run time):
+  assign a name typed with the wider type instead (``_pickling._NO_TARGET``).
+- ``@dataclass``'s generated methods run interpreted: classes made per message have an
+  explicit ``__init__``.
+- Closures that rebind a ``nonlocal`` from a profile hook, classes deriving from torch's
+  ``Future`` and subclasses of ``dill.Pickler`` do not compile correctly
+  (``agent/_held.py``, ``agent/_futures.py``, ``serialization/_by_value.py`` stay Python).
 """
 
 from __future__ import annotations

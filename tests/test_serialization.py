@@ -467,7 +467,7 @@ def test_main_style_function_and_class_travel_by_value():
 
 
 def test_the_receivers_main_function_is_fingerprinted_once_while_it_stays(monkeypatch):
-    from actorrpc.serialization import _pickling
+    from actorrpc.serialization import _by_value
 
     main = sys.modules["__main__"]
     namespace: dict[str, Any] = {"__name__": "__main__"}
@@ -476,8 +476,8 @@ def test_the_receivers_main_function_is_fingerprinted_once_while_it_stays(monkey
     monkeypatch.setattr(main, "shipped", sent, raising=False)  # the receiver's own, the same
     payload, _ = dumps(sent)
     fingerprinted: list[Any] = []
-    real = _pickling._code_fingerprint
-    monkeypatch.setattr(_pickling, "_code_fingerprint",
+    real = _by_value._code_fingerprint
+    monkeypatch.setattr(_by_value, "_code_fingerprint",
                         lambda code: fingerprinted.append(code) or real(code))
     for _ in range(3):
         assert loads(payload) is sent  # the receiver's own definition, as with torch

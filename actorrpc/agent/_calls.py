@@ -39,7 +39,6 @@ __all__ = [
 ]
 
 
-@dataclass
 class IncomingRequest:
     """A decoded request handed to a registered handler.
 
@@ -56,12 +55,19 @@ class IncomingRequest:
     and for a handler whose outcome is a future.
     """
 
-    kind: MessageKind
-    sender: WorkerInfo
-    message_id: int
-    payload: Any
-    after_reply: Callable[[], None] | None = None
-    optional_after_reply: Callable[[], None] | None = None
+
+    # (an explicit __init__, not @dataclass's: a compiled build compiles it; it runs per message)
+    def __init__(
+        self, kind: MessageKind, sender: WorkerInfo, message_id: int, payload: Any,
+        after_reply: Callable[[], None] | None = None,
+        optional_after_reply: Callable[[], None] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.sender = sender
+        self.message_id = message_id
+        self.payload = payload
+        self.after_reply = after_reply
+        self.optional_after_reply = optional_after_reply
 
 
 Handler = Callable[[IncomingRequest], Any]
@@ -87,7 +93,6 @@ def encode_reply(receiver_rank: int, value: Any) -> EncodedReply:
     return EncodedReply(*dumps_for(receiver_rank, value, "result"))
 
 
-@dataclass
 class CallRecord:
     """One call as call hooks see it: on the caller before sending, on the callee while serving.
 
@@ -99,12 +104,18 @@ class CallRecord:
     must be work that is also done when needed.
     """
 
-    peer: WorkerInfo
-    meta: dict[str, Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    result: Any = None
-    after_reply: Callable[[], None] | None = None
+
+    # (an explicit __init__, not @dataclass's: a compiled build compiles it; it runs per message)
+    def __init__(
+        self, peer: WorkerInfo, meta: dict[str, Any], args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.peer = peer
+        self.meta = meta
+        self.args = args
+        self.kwargs = kwargs
+        self.result: Any = None
+        self.after_reply: Callable[[], None] | None = None
 
 
 class CallHook(Protocol):

@@ -23,7 +23,6 @@ import itertools
 import operator
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -79,7 +78,6 @@ class IdGenerator:
         return self._base | ID_MASK
 
 
-@dataclass
 class SendFunction:
     """Where tensors requiring grad left this worker in one message.
 
@@ -96,16 +94,27 @@ class SendFunction:
     context directly, and their edges are made if a pass needs them.
     """
 
-    message_id: int
-    dest: int  # rank holding the matching recv function
-    tensors: tuple[torch.Tensor, ...]  # as sent
-    shapes: tuple[torch.Size, ...]  # the tensors' shapes when sent (check the gradients)
-    edges: tuple[GradientEdge, ...] | None  # None until needed, for a message of leaves
-    reach: Reach | None = None  # cached reach of the edges (the graph below never changes)
-    # the leaves the edges lead to (set by ``of`` for a message of leaves, else by
-    # ``prepare``); () if some edge leads elsewhere (None: not looked at yet)
-    leaves: tuple[torch.Tensor, ...] | None = None
-    aliases: tuple[torch.Tensor, ...] | None = None  # made by ``node`` (introspection only)
+    # (an explicit __init__, not @dataclass's: a compiled build compiles it; it runs per message)
+    def __init__(
+        self,
+        message_id: int,
+        dest: int,
+        tensors: tuple[torch.Tensor, ...],
+        shapes: tuple[torch.Size, ...],
+        edges: tuple[GradientEdge, ...] | None,
+        leaves: tuple[torch.Tensor, ...] | None = None,
+    ) -> None:
+        self.message_id = message_id
+        self.dest = dest  # rank holding the matching recv function
+        self.tensors = tensors  # as sent
+        self.shapes = shapes  # the tensors' shapes when sent (check the gradients)
+        self.edges = edges  # None until needed, for a message of leaves
+        # cached reach of the edges (the graph below never changes)
+        self.reach: Reach | None = None
+        # the leaves the edges lead to (set by ``of`` for a message of leaves, else by
+        # ``prepare``); () if some edge leads elsewhere (None: not looked at yet)
+        self.leaves = leaves
+        self.aliases: tuple[torch.Tensor, ...] | None = None  # made by ``node`` (introspection)
 
     @classmethod
     def of(cls, message_id: int, dest: int, tensors: list[torch.Tensor]) -> SendFunction:
@@ -175,17 +184,17 @@ class SendFunction:
             )
 
 
-@dataclass
 class RecvFunction:
     """Where tensors requiring grad arrived on this worker in one message."""
 
-    message_id: int
-    sender: int  # rank holding the matching send function
-    node: Any  # the RecvRpcBackward node, grad_fn of the received tensors
-    num_outputs: int
+    # (an explicit __init__, not @dataclass's: a compiled build compiles it; it runs per message)
+    def __init__(self, message_id: int, sender: int, node: Any, num_outputs: int) -> None:
+        self.message_id = message_id
+        self.sender = sender  # rank holding the matching send function
+        self.node = node  # the RecvRpcBackward node, grad_fn of the received tensors
+        self.num_outputs = num_outputs
 
 
-@dataclass
 class DistAutogradContext:
     """One context's state on one worker (torch's ``DistAutogradContext``).
 
@@ -200,17 +209,20 @@ class DistAutogradContext:
         {1} 1
     """
 
-    context_id: int
-    send_functions: dict[int, SendFunction] = field(default_factory=dict)
-    recv_functions: dict[int, RecvFunction] = field(default_factory=dict)
-    known_workers: set[int] = field(default_factory=set)
-    # id(leaf) -> (leaf, its gradient): keyed by id, as a tensor's own hash is a Python call
-    grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # start point of a local pass (a root node or ("send", message_id)) -> the pass
-    # id that ran it without retain_graph; later passes may not run it again.
-    spent: dict[Any, int] = field(default_factory=dict)
-    released: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # (an explicit __init__, not @dataclass's: a compiled build compiles it; one per context)
+    def __init__(self, context_id: int) -> None:
+        self.context_id = context_id
+        self.send_functions: dict[int, SendFunction] = {}
+        self.recv_functions: dict[int, RecvFunction] = {}
+        self.known_workers: set[int] = set()
+        # id(leaf) -> (leaf, its gradient): keyed by id, as a tensor's own hash is a
+        # Python call
+        self.grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # start point of a local pass (a root node or ("send", message_id)) -> the pass
+        # id that ran it without retain_graph; later passes may not run it again.
+        self.spent: dict[Any, int] = {}
+        self.released = False
+        self.lock = threading.Lock()
 
     # -- torch-compatible private accessors ---------------------------------------------
 

@@ -25,7 +25,6 @@ import logging
 import operator
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -316,15 +315,14 @@ def _replace_nested(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
 # -- graphs --------------------------------------------------------------------------------
 
 
-@dataclass
 class Reach:
     """What a local pass from some nodes can reach: leaves, and recv nodes (where it stops)."""
 
-    leaves: list[torch.Tensor]
-    recvs: list[Any]
-    _inputs: tuple[tuple[Any, ...], tuple[Any, ...]] | None = field(
-        default=None, repr=False, compare=False
-    )
+    # (an explicit __init__, not @dataclass's: a compiled build compiles it)
+    def __init__(self, leaves: list[torch.Tensor], recvs: list[Any]) -> None:
+        self.leaves = leaves
+        self.recvs = recvs
+        self._inputs: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
 
     def pass_inputs(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """Where a pass over this reach asks for gradients (the leaves, then each recv
