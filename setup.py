@@ -56,7 +56,7 @@ COMPILED_MODULES = [
 MYPY_FOR_COMPILING = "mypy==2.4.1"  # (constraints.txt pins the same one for linting)
 
 
-_METADATA_ONLY = {"egg_info", "dist_info"}  # what the build backend runs before building
+_METADATA_ONLY = {"egg_info", "dist_info", "sdist"}  # (an sdist ships the sources only)
 
 
 def _compile_requested() -> bool:
@@ -73,8 +73,9 @@ def _compiled_extensions() -> list:  # type: ignore[type-arg]
             f"ACTORRPC_COMPILE=1 needs mypyc ({MYPY_FOR_COMPILING}) in the build environment"
         ) from None
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    # torch, pyzmq and dill are not in an isolated build environment: typed as Any there
-    options = ["--ignore-missing-imports", f"--python-version={version}"]
+    # torch, pyzmq, dill and numpy are typed as Any, wherever it is built: an isolated
+    # build environment lacks them, and one program whether they are installed or not
+    options = ["--no-site-packages", "--ignore-missing-imports", f"--python-version={version}"]
     return mypycify(options + COMPILED_MODULES, opt_level="3")
 
 

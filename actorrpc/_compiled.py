@@ -12,8 +12,13 @@ code keeps these rules, which the pure-Python build does not need:
   carry none).
 - Classes are native (fixed attributes, no weak references, methods not replaceable on
   an instance) unless marked ``@mypyc_attr(native_class=False)``: subclasses of
-  ``threading.local``, ``bytearray`` and ``torch.autograd.Function``, and ``Transport``
-  (a ``weakref.finalize`` closes its nudge pipe).
+  ``threading.local``, ``bytearray`` and ``pickle.Pickler``, and ``Transport`` (a
+  ``weakref.finalize`` closes its nudge pipe).
+- torch, pyzmq, dill and numpy are typed as ``Any`` in the compiled build (setup.py
+  passes ``--no-site-packages``: one program wherever it is built), so a class deriving
+  from one of theirs must live in a Python module: ``autograd/_nodes.py`` (torch's
+  ``FunctionMeta`` makes the nodes' classes). Type aliases of their types are declared
+  under ``TYPE_CHECKING`` with ``TypeAlias``.
 - An attribute assigned ``None`` and read again in one function is taken to be ``None``
   still, whatever a call in between did to it (mypy's narrowing, checked at run time):
   assign a name typed with the wider type instead (``_pickling._NO_TARGET``).
@@ -22,6 +27,7 @@ code keeps these rules, which the pure-Python build does not need:
 - Closures that rebind a ``nonlocal`` from a profile hook, classes deriving from torch's
   ``Future`` and subclasses of ``dill.Pickler`` do not compile correctly
   (``agent/_held.py``, ``agent/_futures.py``, ``serialization/_by_value.py`` stay Python).
+- The public facades (``actorrpc/_api.py``, ``autograd/_api.py``, RRefs) stay Python.
 """
 
 from __future__ import annotations

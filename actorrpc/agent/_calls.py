@@ -55,7 +55,6 @@ class IncomingRequest:
     and for a handler whose outcome is a future.
     """
 
-
     # (an explicit __init__, not @dataclass's: a compiled build compiles it; it runs per message)
     def __init__(
         self, kind: MessageKind, sender: WorkerInfo, message_id: int, payload: Any,
@@ -103,7 +102,6 @@ class CallRecord:
     RRef fetch, which may be served inline on a receiving thread) it is dropped, so it
     must be work that is also done when needed.
     """
-
 
     # (an explicit __init__, not @dataclass's: a compiled build compiles it; it runs per message)
     def __init__(

@@ -28,10 +28,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.autograd.function  # noqa: F401  (mypyc: SendRpc/RecvRpc need the module)
-from mypy_extensions import mypyc_attr
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import has_torch_function
+
+from ._nodes import RecvRpc, SendRpc
 
 try:  # torch.autograd.grad's own way into the C++ engine
     from torch.autograd.graph import _engine_run_backward
@@ -73,41 +73,6 @@ _new_tuple = tuple.__new__
 
 # Input of every RecvRpc so that its outputs require grad; never receives a gradient.
 _ANCHOR = torch.zeros((), requires_grad=True)
-
-
-@mypyc_attr(native_class=False)  # (see actorrpc/_compiled.py)
-class SendRpc(torch.autograd.Function):
-    """Identity; its node marks where tensors left this worker."""
-
-    @staticmethod
-    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        # A tensor of the message that gets no gradient passes None on (as torch's
-        # undefined gradient), so its inputs get no (zero) gradient entry.
-        ctx.set_materialize_grads(False)
-        # detach(): new tensor objects sharing the data but not flagged as views.
-        return tuple(map(_detach, tensors))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        return grads
-
-
-@mypyc_attr(native_class=False)  # (see actorrpc/_compiled.py)
-class RecvRpc(torch.autograd.Function):
-    """Identity; its node (tagged with the message) is the grad_fn of received tensors."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        # detach() rather than a view: users may modify received tensors in place.
-        return tuple(map(_detach, tensors))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:  # type: ignore[override]
-        # Only reached by a plain local backward (outside dist_autograd.backward):
-        # nothing flows to the anchor, and nothing is sent.
-        return (None,) * (1 + len(grads))
 
 
 # ``Function.apply`` without its Python layer, which (with no functorch transform

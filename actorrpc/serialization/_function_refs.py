@@ -12,7 +12,7 @@ and the callee keeps what each such reference resolved to
 Invariants:
 
 * Only what travels by reference becomes a reference: a function defined in
-  ``__main__``, a lambda or a closure (by value, see ``_pickling``), a bound
+  ``__main__``, a lambda or a closure (by value, see ``_by_value``), a bound
   method, a function its module does not hold under its qualified name (a static
   method, a replaced function) or any other callable is pickled in the payload as
   before.

@@ -11,7 +11,7 @@ Invariants:
   definition maps to one object there and a re-defined one replaces it. A
   ``__main__`` definition that the receiver has too (same code) resolves to the
   receiver's own object, so programs launched from one script keep torch's
-  by-reference semantics for their globals.
+  by-reference semantics for their globals (:mod:`._by_value`).
 * Upper layers (RRefs) add reducers by registration and read the thread-local
   :class:`PickleTarget` / :class:`UnpickleSource` to learn where bytes go or
   come from.

@@ -31,7 +31,7 @@ torch's own reduction (:func:`reduce_tensor` returns ``NotImplemented``).
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -56,8 +56,12 @@ _ARRAY_DTYPES: tuple[np.dtype[Any], ...] = tuple(
         np.uint8, np.bool_, np.complex64, np.complex128, np.uint16, np.uint32, np.uint64,
     )
 )
+if TYPE_CHECKING:  # (Any where numpy is not type-checked: setup.py's compiled build)
+    from typing import TypeAlias
+
+    _Array: TypeAlias = "np.ndarray[Any, Any]"
+
 _ARRAY_CODES = {dtype: code for code, dtype in enumerate(_ARRAY_DTYPES)}
-_Array = np.ndarray[Any, Any]
 _REQUIRES_GRAD = 1
 _PARAMETER = 2
 
