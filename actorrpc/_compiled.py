@@ -24,8 +24,9 @@ code keeps these rules, which the pure-Python build does not need:
   assign a name typed with the wider type instead (``_pickling._NO_TARGET``).
 - ``@dataclass``'s generated methods run interpreted: classes made per message have an
   explicit ``__init__``.
-- Closures that rebind a ``nonlocal`` from a profile hook, classes deriving from torch's
-  ``Future`` and subclasses of ``dill.Pickler`` do not compile correctly
+- A closure reading its method's argument after an early return (the held-request
+  profile hook), classes deriving from torch's ``Future`` and subclasses of
+  ``dill.Pickler`` do not compile correctly
   (``agent/_held.py``, ``agent/_futures.py``, ``serialization/_by_value.py`` stay Python).
 - The public facades (``actorrpc/_api.py``, ``autograd/_api.py``, RRefs) stay Python.
 """
