@@ -1,7 +1,7 @@
 """The autograd nodes that mark message boundaries, and walking values and graphs.
 
-``SendRpc`` and ``RecvRpc`` are identity ``torch.autograd.Function`` s. Their
-nodes are named ``SendRpcBackward`` and ``RecvRpcBackward``, as in torch:
+``SendRpc`` and ``RecvRpc`` (:mod:`._nodes`) are identity ``torch.autograd.Function`` s.
+Their nodes are named ``SendRpcBackward`` and ``RecvRpcBackward``, as in torch:
 
 * Where tensors left this worker, a pass starts from their gradient edges as
   they were when sent (:func:`edges_of`); backpropagating from those edges with
