@@ -34,10 +34,9 @@ code keeps these rules, which the pure-Python build does not need:
 from __future__ import annotations
 
 import sys
+from importlib.machinery import EXTENSION_SUFFIXES
 
 __all__ = ["compiled_modules"]
-
-_EXTENSION_SUFFIXES = (".so", ".pyd")
 
 
 def compiled_modules() -> list[str]:
@@ -47,5 +46,5 @@ def compiled_modules() -> list[str]:
         name
         for name, module in list(sys.modules.items())
         if name.startswith("actorrpc.")
-        and str(getattr(module, "__file__", "") or "").endswith(_EXTENSION_SUFFIXES)
+        and str(getattr(module, "__file__", "") or "").endswith(tuple(EXTENSION_SUFFIXES))
     )
