@@ -1,4 +1,4 @@
-"""``rpc_sync`` waits on a CallResult (agent/_futures.py), not a torch future."""
+"""``rpc_sync`` waits on a CallResult (agent/_call_result.py), not a torch future."""
 
 from __future__ import annotations
 

@@ -19,6 +19,8 @@ from actorrpc.agent._worker_info import validate_worker_name
 from actorrpc.errors import PeerUnreachableError
 from actorrpc.protocol import MessageKind
 
+pytestmark = pytest.mark.internals  # (a stand-in agent)
+
 
 class _Future:
     def __init__(self) -> None:

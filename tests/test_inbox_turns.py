@@ -284,19 +284,19 @@ def test_the_look_period_stays_short_after_serving(
 def test_a_thread_that_blocks_while_nobody_holds_the_inbox_wakes_the_io_thread() -> None:
     """Its turn failed while another held the inbox, which was let go before that holder
     saw it counted as blocked: the I/O thread, maybe in a long look period, takes over."""
-    from actorrpc.agent._futures import CallResult, complete
+    from actorrpc.agent._call_result import CallResult, complete, wait_on_gate
 
     turns = InboxTurns()
     agent = SimpleNamespace(inbox=turns, is_alive=lambda: True)
     future: CallResult[int] = CallResult("a call", None)
     threading.Thread(target=complete, args=(future, 7)).start()  # (the holder's part)
-    future._wait_on_gate(agent)
+    wait_on_gate(future, agent)
     assert turns._resume.is_set() and turns.blocked_waiters == 0
     turns._resume.clear()
     other: CallResult[int] = CallResult("another call", None)
     turns.lock.acquire()  # held: its holder completes the future, nobody to wake
     threading.Thread(target=complete, args=(other, 8)).start()
-    other._wait_on_gate(agent)
+    wait_on_gate(other, agent)
     assert not turns._resume.is_set()
 
 

@@ -44,6 +44,7 @@ from ..protocol import FLAG_RIDERS, Header, MessageKind, encode_header, encode_i
 from ..serialization import PickleTarget, dumps_for, function_reference
 from ..transport import Transport
 from ._batch_scheduling import MAX_AGENT_IO_WAIT, BatchScheduling
+from ._call_result import CallResult
 from ._calls import (
     CallHook,
     CallRecord,
@@ -66,7 +67,7 @@ from ._deadlines import Deadlines
 from ._deferred_riders import DeferredRiderQueue
 from ._dispatch import MessageDispatcher
 from ._dynamic_group import DynamicRendezvous, handle_membership, join_dynamic_group
-from ._futures import CallResult, Completion, Future
+from ._futures import Completion, Future
 from ._held import HeldRequest, HeldRequests
 from ._inbox import InboxTurns
 from ._liveness import LivenessMonitor
@@ -91,7 +92,7 @@ __all__ = [
     "set_current_agent",
 ]
 
-_C = TypeVar("_C", bound=Completion)  # what a request's reply completes
+_C = TypeVar("_C", bound="Completion | CallResult[Any]")  # what a request's reply completes
 _log = logging.getLogger("actorrpc.agent")
 _INLINE_LIMIT = 8192  # payloads up to this size travel in the header's frame
 _NBYTES = operator.attrgetter("nbytes")  # (map over it: no Python frame per buffer)

@@ -17,6 +17,7 @@ import torch
 from ..errors import RpcTimeoutError
 from ..protocol import MessageKind
 from ..serialization import PickleTarget, dumps_for
+from ._call_result import CallResult
 from ._futures import Completion
 from ._worker_info import WorkerInfo
 
@@ -152,7 +153,7 @@ class PendingCall:
 
     def __init__(
         self,
-        future: Completion,
+        future: Completion | CallResult[Any],
         dest: WorkerInfo,
         description: str,
         timeout: float,

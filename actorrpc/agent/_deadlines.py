@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import RpcTimeoutError
-from ._futures import complete
+from ._call_result import complete
 
 __all__ = ["Deadlines"]
 

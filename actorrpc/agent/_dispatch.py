@@ -42,6 +42,7 @@ from ..protocol import (
     decode_riders,
 )
 from ..serialization import dumps, loads, loads_from, resolve_function_reference
+from ._call_result import CallResult
 from ._calls import (
     CallHook,
     CallRecord,
@@ -54,7 +55,6 @@ from ._calls import (
     run_user_function,
 )
 from ._deferred_riders import DeferredRiderQueue, DeferredRiders
-from ._futures import CallResult
 from ._remote_exception import pack_exception
 from ._replies import ReplySettling
 from ._riders import MAX_RIDING_REPLY
@@ -234,9 +234,11 @@ class MessageDispatcher(ReplySettling):
                     if after_reply is not None:
                         self._run_after_reply(after_reply)
                 finally:
-                    outcome.add_done_callback(
-                        lambda fut: self._finish_request(sender, message_id, outcome_of(fut))
-                    )
+
+                    def finish(future: Any) -> None:  # (torch hands it its C future: Any)
+                        self._finish_request(sender, message_id, outcome_of(future))
+
+                    outcome.add_done_callback(finish)
                 return
             if isinstance(outcome, Failure):
                 self._reply_exception(sender, message_id, outcome.error, outcome.undecoded)

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ActorRpcError
 from ..protocol import MessageKind
 from ..serialization import PickleTarget
-from ._futures import complete
+from ._call_result import complete
 
 if TYPE_CHECKING:
     from ._agent import Agent
@@ -126,6 +126,45 @@ def _release_from_hook(held: HeldRequests, future: Any) -> None:
                 gc.enable()
 
 
+class _ReleaseHook:
+    """The profile hook of :meth:`HeldRequests.release_on_next_call`.
+
+    Invariant: ``sys.setprofile(None)`` drops the interpreter's reference to the hook
+    while it runs, and compiled code does not hold one of its own for ``self``: what it
+    uses afterwards is read into locals first (a closure's cells were freed the same way).
+    """
+
+    def __init__(self, held: HeldRequests, future: Any, merging: CodeType) -> None:
+        self.held = held
+        self.future = future
+        self.merging = merging
+        self.passing: list[FrameType] = []  # the frame of a finalizer passed over, while it runs
+
+    def __call__(self, frame: FrameType, event: str, _: Any) -> None:
+        passing = self.passing
+        if passing:
+            if event == "return" and frame is passing[0]:
+                passing.clear()
+                return
+            code = frame.f_code
+            if event != "call" or code in _IGNORED or code.co_filename.startswith(_PACKAGE):
+                return
+            # code of another package run inside it (a finalizer or weakref callback the
+            # collector runs) may send or wait: the request goes first
+            passing.clear()
+        elif event in ("return", "c_return"):  # frames finishing: the caller's, its callers'
+            return
+        elif event == "call" and frame.f_code in _IGNORED:
+            passing.append(frame)
+            return
+        elif event == "call" and frame.f_code is self.merging:
+            sys.setprofile(None)
+            return
+        held, future = self.held, self.future
+        sys.setprofile(None)
+        _release_from_hook(held, future)
+
+
 # (hooks sending now, whether the collector ran before the first of them paused it)
 _collector_pause: list[Any] = [0, False]
 _collector_pause_lock = threading.Lock()
@@ -187,33 +226,7 @@ class HeldRequests:
         held = self._held
         if held is None or held.future is not future:
             return
-        passing: list[FrameType] = []  # the frame of a finalizer passed over, while it runs
-
-        def on_event(frame: FrameType, event: str, _: Any) -> None:
-            if passing:
-                if event == "return" and frame is passing[0]:
-                    passing.clear()
-                    return
-                code = frame.f_code
-                if event != "call" or code in _IGNORED or code.co_filename.startswith(_PACKAGE):
-                    return
-                # code of another package run inside it (a finalizer or weakref callback the
-                # collector runs) may send or wait: the request goes first
-                passing.clear()
-                sys.setprofile(None)
-                _release_from_hook(self, future)
-                return
-            if event in ("return", "c_return"):  # frames finishing: the caller's, its callers'
-                return
-            if event == "call" and frame.f_code in _IGNORED:
-                passing.append(frame)
-                return
-            sys.setprofile(None)
-            if event == "call" and frame.f_code is merging:
-                return
-            _release_from_hook(self, future)
-
-        sys.setprofile(on_event)
+        sys.setprofile(_ReleaseHook(self, future, merging))
 
     def send_as(self, future: Any, kind: MessageKind, on_result: Callable[[Any], Any],
                 on_undecodable: Callable[[BaseException], Any], timeout: float) -> bool:

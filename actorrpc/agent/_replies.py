@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DeserializationError, ProtocolError
 from ..protocol import MessageKind
 from ..serialization import PickleTarget, loads_from
+from ._call_result import complete
 from ._calls import IncomingRequest, PendingCall, RecentEntries
-from ._futures import complete
 from ._remote_exception import rebuild_exception
 
 if TYPE_CHECKING:

@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 
-from ..agent import current_agent
 from ..errors import DistAutogradError, InvalidArgumentError
 from ._context import THREAD_CONTEXT as _current  # this thread's current context id
 from ._context import DistAutogradContext, current_context_id
-from ._engine import EXTENSION, AutogradEngine, engine_of
+from ._engine import AutogradEngine, checked_roots, current_engine
 
 __all__ = [
     "backward",
@@ -21,12 +20,6 @@ __all__ = [
     "get_gradients",
     "is_available",
 ]
-
-
-def _engine() -> AutogradEngine:
-    agent = current_agent()
-    engine = agent.extensions.get(EXTENSION)  # (engine_of, without its frame)
-    return engine if engine is not None else engine_of(agent)  # (which raises its error)
 
 
 class context:  # noqa: N801 - torch's name
@@ -49,9 +42,9 @@ class context:  # noqa: N801 - torch's name
         DistAutogradError: on entry, if this thread is already in a context.
     """
 
-    def __init__(self) -> None:
-        self._engine: AutogradEngine | None = None
-        self._context_id: int | None = None
+    # (class defaults rather than an __init__: one Python frame less per context)
+    _engine: AutogradEngine | None = None
+    _context_id: int | None = None
 
     def __enter__(self) -> int:
         current = _current  # (read and set directly: no frame each)
@@ -60,7 +53,7 @@ class context:  # noqa: N801 - torch's name
                 "Already have an autograd context id for this thread: "
                 f"{current.context_id} (contexts do not nest)"
             )
-        engine = _engine()
+        engine = current_engine()
         ctx = engine.create_context()
         self._engine = engine
         self._context_id = ctx.context_id
@@ -128,31 +121,7 @@ def backward(
         raise InvalidArgumentError(
             f"retain_graph must be a bool, got {type(retain_graph).__name__}"
         )
-    roots_list = _check_roots(roots)
-    _engine().backward(context_id, roots_list, retain_graph)
-
-
-def _check_roots(roots: Any) -> list[torch.Tensor]:
-    if isinstance(roots, torch.Tensor):
-        roots = [roots]
-    if roots is None or not isinstance(roots, (list, tuple)) or len(roots) == 0:
-        raise InvalidArgumentError(
-            f"roots must be a non-empty list of scalar tensors that require grad, got {roots!r}"
-        )
-    for i, root in enumerate(roots):
-        if not isinstance(root, torch.Tensor):
-            raise InvalidArgumentError(f"roots[{i}] is a {type(root).__name__}, not a tensor")
-        if not root.requires_grad:
-            raise InvalidArgumentError(
-                f"roots[{i}] does not require grad and has no grad_fn: backward needs a tensor "
-                "computed from tensors with requires_grad=True"
-            )
-        if root.numel() != 1:
-            raise InvalidArgumentError(
-                f"roots[{i}] is not a scalar (shape {tuple(root.shape)}): backward roots must "
-                "have exactly one element (reduce it, e.g. with .sum())"
-            )
-    return list(roots)
+    current_engine().backward(context_id, checked_roots(roots), retain_graph)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
@@ -174,7 +143,7 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
         >>> grads[t], t.grad  # not accumulated in .grad
         (tensor([1., 1.]), None)
     """
-    return _engine().store.retrieve(context_id).gradients()
+    return current_engine().store.retrieve(context_id).gradients()
 
 
 def is_available() -> bool:
@@ -197,17 +166,17 @@ def _current_context() -> DistAutogradContext:
     context_id = current_context_id()
     if context_id is None:
         raise DistAutogradError("Current thread doesn't have a valid autograd context")
-    return _engine().store.retrieve(context_id)
+    return current_engine().store.retrieve(context_id)
 
 
 def _retrieve_context(context_id: int) -> DistAutogradContext:
     """The context with this id on this worker; raises when it is not here."""
-    return _engine().store.retrieve(context_id)
+    return current_engine().store.retrieve(context_id)
 
 
 def _get_max_id() -> int:
     """The largest context id this worker can create."""
-    return _engine().store.context_ids.max_id
+    return current_engine().store.context_ids.max_id
 
 
 def debug_info() -> dict[str, Any]:
@@ -226,7 +195,7 @@ def debug_info() -> dict[str, Any]:
         >>> info["num_autograd_contexts"], info["num_send_functions"], info["known_worker_ids"]
         (1, 1, [1])
     """
-    return _engine().debug_info()
+    return current_engine().debug_info()
 
 
 _get_debug_info = debug_info
@@ -238,4 +207,4 @@ def _wait_for_cleanup(timeout: float = 30.0) -> bool:
     Releases propagate transitively as notifications nobody acknowledges, so this
     asks every worker until none holds one: ``True`` then, ``False`` on timeout.
     """
-    return _engine().wait_for_cleanup(timeout)
+    return current_engine().wait_for_cleanup(timeout)

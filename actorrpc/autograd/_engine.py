@@ -83,7 +83,7 @@ from ..agent import (
     current_agent,
     wait_until,
 )
-from ..errors import DistAutogradError
+from ..errors import DistAutogradError, InvalidArgumentError
 from ..protocol import MessageKind
 from ._context import (
     ID_BITS,
@@ -96,7 +96,7 @@ from ._functions import Reach, find_grad_tensors, gradients_at, reach_from
 from ._pass_driver import Owed, PassDriver, checked_reply, kept_positions
 from ._recording import KEY_CONTEXT, KEY_MESSAGE, KEY_RESPONSE, ServingInContext, attach_recv
 
-__all__ = ["EXTENSION", "AutogradEngine", "engine_of", "install"]
+__all__ = ["EXTENSION", "AutogradEngine", "checked_roots", "current_engine", "engine_of", "install"]
 
 _log = logging.getLogger("actorrpc.autograd")
 
@@ -483,6 +483,36 @@ def held_context_ids(creator: int) -> set[int]:
     """The ids of the contexts held on this worker that ``creator`` created (an RPC)."""
     contexts = engine_of(current_agent()).store.all()
     return {ctx.context_id for ctx in contexts if ctx.context_id >> ID_BITS == creator}
+
+
+def checked_roots(roots: Any) -> list[torch.Tensor]:
+    """``backward``'s roots as a list, checked (each a scalar tensor requiring grad)."""
+    if isinstance(roots, torch.Tensor):
+        roots = [roots]
+    if roots is None or not isinstance(roots, (list, tuple)) or len(roots) == 0:
+        raise InvalidArgumentError(
+            f"roots must be a non-empty list of scalar tensors that require grad, got {roots!r}"
+        )
+    for i, root in enumerate(roots):
+        if not isinstance(root, torch.Tensor):
+            raise InvalidArgumentError(f"roots[{i}] is a {type(root).__name__}, not a tensor")
+        if not root.requires_grad:
+            raise InvalidArgumentError(
+                f"roots[{i}] does not require grad and has no grad_fn: backward needs a tensor "
+                "computed from tensors with requires_grad=True"
+            )
+        if root.numel() != 1:
+            raise InvalidArgumentError(
+                f"roots[{i}] is not a scalar (shape {tuple(root.shape)}): backward roots must "
+                "have exactly one element (reduce it, e.g. with .sum())"
+            )
+    return list(roots)
+
+
+def current_engine() -> AutogradEngine:
+    """The engine of this process's agent (raises if RPC is not initialized or the engine
+    is not installed)."""
+    return engine_of(current_agent())
 
 
 def engine_of(agent: Agent) -> AutogradEngine:
