@@ -24,13 +24,15 @@ code keeps these rules, which the pure-Python build does not need:
   assign a name typed with the wider type instead (``_pickling._NO_TARGET``).
 - ``@dataclass``'s generated methods run interpreted: classes made per message have an
   explicit ``__init__``.
-- A closure reading its method's argument after an early return did not compile
-  correctly (``agent/_held.py``'s profile hook is a class). A class deriving from torch's
-  ``Future`` and subclasses of ``dill.Pickler`` do not either (``agent/_futures.py``,
-  ``serialization/_by_value.py`` stay Python); what ``Future`` shares with the compiled
-  ``CallResult`` is functions of a duck-typed future (``agent/_call_result.py``): compiled
-  code checks a value typed with a compiled class against that class and the subclasses
-  compiled with it, so an interpreted subclass is refused.
+- Compiled code holds no reference of its own to ``self`` or a closure's cells: a
+  callable that drops the last reference to itself while it runs (a profile hook calling
+  ``sys.setprofile(None)``) reads what it needs first (``agent/_held.py``'s hook; as a
+  closure it read freed cells).
+- A class deriving from torch's ``Future`` and subclasses of ``dill.Pickler`` do not
+  compile correctly (``agent/_futures.py``, ``serialization/_by_value.py`` stay Python).
+  A value typed with a compiled class is checked against that class and the subclasses
+  compiled with it, so an interpreted subclass is refused: what ``Future`` shares with the
+  compiled ``CallResult`` is functions of a duck-typed future (``agent/_call_result.py``).
 - The public facades (``actorrpc/_api.py``, ``autograd/_api.py``, RRefs) stay Python.
 """
 
