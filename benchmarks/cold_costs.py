@@ -63,7 +63,8 @@ def cold_us(fn: Callable[[], Any], n: int, evict: Callable[[], None]) -> float:
 
 
 def operations() -> dict[str, Callable[[], Any]]:
-    from actorrpc.agent._futures import CallResult, Future, complete
+    from actorrpc.agent._call_result import CallResult, complete
+    from actorrpc.agent._futures import Future
     from actorrpc.serialization import dumps, loads
     from actorrpc.serialization._tensors import _reduce_general, reduce_tensor
 

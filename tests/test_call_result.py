@@ -10,7 +10,7 @@ import torch
 
 import actorrpc as rpc
 from actorrpc.agent import _futures
-from actorrpc.agent._futures import CallResult, complete
+from actorrpc.agent._call_result import CallResult, complete
 from actorrpc.errors import ActorRpcError, RpcTimeoutError
 
 pytestmark = pytest.mark.timeout(60)

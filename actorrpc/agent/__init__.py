@@ -10,8 +10,9 @@ from ._agent import (
     set_current_agent,
 )
 from ._batch_scheduling import undo_inherited_batch
+from ._call_result import CallResult, complete
 from ._calls import EncodedReply, encode_reply, run_user_function
-from ._futures import CallResult, Future, complete
+from ._futures import Future
 from ._held import ignore_while_holding
 from ._options import (
     DEFAULT_INIT_METHOD,

@@ -5,7 +5,7 @@ call only its caller waits for) and the completion and waiting it shares with
 Compiled in the compiled build (``setup.py``): ``Future`` derives from torch's pybind
 future and stays Python (``_futures``), so the logic both share lives here as functions
 of a duck-typed future (a ``Future`` or a :class:`CallResult`: the attributes below),
-which ``Future``'s base class calls.
+which ``Future`` and its base class ``Completion`` call.
 
 A future's state: ``_done`` (marked done: set first, by the one completing thread),
 ``_error``, ``_receiver`` (the thread receiving on the inbox for it), ``_blocked`` (a
@@ -81,6 +81,11 @@ class CallResult(Generic[T]):
     """The result of a call only its caller waits for (``rpc_sync``): a :class:`Future`'s
     completion and ``wait()``, without the C++ future nobody else would see (creating,
     completing and reading one are three torch calls, ~20 µs between messages)."""
+
+    # (slots: no instance dict in the pure build, one object fewer for the collector per
+    # call in flight; a native class in the compiled build)
+    __slots__ = ("_agent", "_blocked", "_callbacks", "_claim", "_description", "_done", "_error",
+                 "_gate", "_receiver", "_value")
 
     def __init__(self, description: Any = "", agent: Any = None) -> None:
         self._gate = gate = _thread.allocate_lock()

@@ -14,9 +14,9 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ._call_result import CallResult, complete, describe, fresh_error, wait_done
+from ._call_result import describe, fresh_error, wait_done
 
-__all__ = ["CallResult", "Completion", "Future", "complete"]
+__all__ = ["Completion", "Future"]
 
 T = TypeVar("T")
 # torch.futures.Future's methods without their Python layer (a frame per call)

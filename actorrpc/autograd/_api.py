@@ -121,7 +121,8 @@ def backward(
         raise InvalidArgumentError(
             f"retain_graph must be a bool, got {type(retain_graph).__name__}"
         )
-    current_engine().backward(context_id, checked_roots(roots), retain_graph)
+    roots_list = checked_roots(roots)  # (before the engine: a bad argument is named first)
+    current_engine().backward(context_id, roots_list, retain_graph)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

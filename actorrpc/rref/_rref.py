@@ -29,6 +29,7 @@ from typing import Any, Generic, TypeVar
 from ..agent import (
     Agent,
     CallRecord,
+    CallResult,
     Future,
     WorkerInfo,
     complete,
@@ -435,7 +436,7 @@ class _Undecodable:
 
 
 def _fail_if_creation_fails(
-    fetch: Future[Any], creation: Future[Any], rref: RRef[Any]
+    fetch: Future[Any], creation: CallResult[Any], rref: RRef[Any]
 ) -> None:
     """Fail ``fetch`` at once if the RRef's ``remote()`` fails first (e.g. times out).
 
