@@ -40,12 +40,6 @@ class Completion:
     _description: Any
     _agent: Any
 
-    def set_result(self, value: Any) -> None:
-        raise NotImplementedError
-
-    def set_exception(self, error: BaseException) -> None:
-        raise NotImplementedError
-
     @property
     def description(self) -> str:
         return describe(self._description)

@@ -481,7 +481,7 @@ class AutogradEngine:
 
 def held_context_ids(creator: int) -> set[int]:
     """The ids of the contexts held on this worker that ``creator`` created (an RPC)."""
-    contexts = engine_of(current_agent()).store.all()
+    contexts = current_engine().store.all()
     return {ctx.context_id for ctx in contexts if ctx.context_id >> ID_BITS == creator}
 
 
