@@ -7,7 +7,7 @@ top-level ``cli/`` folder, which is installed as ``actorrpc.cli`` through the
 ``ACTORRPC_COMPILE=1 pip install ...`` also compiles the per-message path (the modules in
 ``COMPILED_MODULES``) with mypyc: the build environment gets mypy, and a C compiler
 must be present. Without it the package is pure Python, as before. Which build a process
-runs is reported by ``actorrpc._compiled.compiled_modules()``; the rules compiled code
+runs is reported by ``actorrpc.compiled_modules()``; the rules compiled code
 keeps are in that module's docstring.
 """
 

@@ -18,6 +18,7 @@ from ._api import (
     rpc_sync,
     shutdown,
 )
+from ._compiled import compiled_modules
 from ._inspection import get_worker_stats, start_tracing, stop_tracing
 from ._local import LocalWorkers, local_workers
 from ._logging import install_worker_name_filter as _install_worker_name_filter
@@ -93,6 +94,7 @@ __all__ = [
     "WorkerLeftError",
     "ZmqRpcBackendOptions",
     "autograd",
+    "compiled_modules",
     "functions",
     "get_rpc_timeout",
     "get_rref_debug_info",

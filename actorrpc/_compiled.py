@@ -45,8 +45,18 @@ __all__ = ["compiled_modules"]
 
 
 def compiled_modules() -> list[str]:
-    """Names of the loaded ``actorrpc`` modules that are compiled extension modules
-    (empty for the pure-Python build)."""
+    """Names of the loaded ``actorrpc`` modules that run compiled: which build this
+    process runs (an ``ACTORRPC_COMPILE=1`` install compiles the per-message path with
+    mypyc; the pure-Python build has none). ``import actorrpc`` loads them all.
+
+    Example::
+
+        >>> import actorrpc as rpc
+        >>> rpc.compiled_modules()  # installed with ACTORRPC_COMPILE=1
+        ['actorrpc.agent._agent', 'actorrpc.agent._batch_scheduling', ...]
+        >>> rpc.compiled_modules()  # the pure-Python build
+        []
+    """
     return sorted(
         name
         for name, module in list(sys.modules.items())

@@ -198,11 +198,9 @@ def actorrpc_build() -> str:
     """``compiled (mypyc, N modules)`` or ``pure Python``: the actorrpc this process (and
     the workers it spawns, which import the same tree) runs."""
     ensure_repo_on_path()
-    import actorrpc.agent
-    import actorrpc.autograd  # noqa: F401 - (loads the compiled autograd modules too)
-    from actorrpc._compiled import compiled_modules
+    import actorrpc
 
-    compiled = compiled_modules()
+    compiled = actorrpc.compiled_modules()
     return f"compiled (mypyc, {len(compiled)} modules)" if compiled else "pure Python"
 
 

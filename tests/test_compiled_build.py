@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import actorrpc as rpc
-from actorrpc._compiled import compiled_modules
+from actorrpc import compiled_modules
 
 pytestmark = pytest.mark.timeout(60)
 

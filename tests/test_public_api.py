@@ -46,6 +46,7 @@ EXPECTED_ALL = [
     "WorkerLeftError",
     "ZmqRpcBackendOptions",
     "autograd",
+    "compiled_modules",
     "functions",
     "get_rpc_timeout",
     "get_rref_debug_info",
