@@ -8,7 +8,7 @@ top-level ``cli/`` folder, which is installed as ``actorrpc.cli`` through the
 ``COMPILED_MODULES``) with mypyc: the build environment gets mypy, and a C compiler
 must be present. Without it the package is pure Python, as before. Which build a process
 runs is reported by ``actorrpc.compiled_modules()``; the rules compiled code
-keeps are in that module's docstring.
+keeps are in ``actorrpc/_compiled.py``'s docstring.
 """
 
 from __future__ import annotations
