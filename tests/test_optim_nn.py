@@ -329,7 +329,8 @@ def test_this_workers_own_optimizer_steps_here_without_a_call(cluster: list[str]
         to_self, to_worker1 = stats.calls_sent[0], stats.calls_sent[1]
         optimizer.step(context_id)
         assert stats.calls_sent[0] == to_self  # no RPC to itself
-        assert stats.calls_sent[1] == to_worker1 + 1
+        # (at least: a liveness ping of the I/O thread may go to worker1 meanwhile)
+        assert stats.calls_sent[1] >= to_worker1 + 1
     expected = _expected_sgd(before, x, [True, True], lr=0.3)
     for got, want in zip(_fetch(rrefs), expected):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
