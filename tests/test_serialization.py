@@ -588,6 +588,77 @@ def test_code_by_value_takes_project_modules_by_reference() -> None:
     assert rebuilt.__closure__[0].cell_contents is actorrpc  # the module itself, by name
 
 
+
+def _extension_codes_in(payload: bytes) -> list[int]:
+    import pickletools
+
+    return [arg for op, arg, _ in pickletools.genops(payload) if op.name.startswith("EXT")]
+
+
+def test_tensor_rebuild_functions_travel_as_extension_codes(out_of_band) -> None:
+    """Each wire form's rebuild function is a four-byte code, not a module and name."""
+    from actorrpc.serialization._extension_codes import FIRST_CODE
+
+    forms = [
+        (torch.rand(4, 4), FIRST_CODE),  # the array form
+        (torch.rand(4, 3).t(), FIRST_CODE + 1),  # the strided array form
+        (torch.rand(5, dtype=torch.bfloat16), FIRST_CODE + 2),  # the general form
+    ]
+    for tensor, code in forms:
+        payload, buffers = dumps(tensor)
+        assert _extension_codes_in(payload) == [code], tensor
+        assert b"actorrpc" not in payload and b"_rebuild" not in payload
+        rebuilt = loads(payload, buffers)
+        assert rebuilt.dtype == tensor.dtype and torch.equal(rebuilt, tensor)
+        assert rebuilt.stride() == tensor.stride()
+
+
+def test_an_extension_code_held_by_another_package_is_named_before_joining(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process whose registry gives one of the codes to something else cannot take part."""
+    from actorrpc.serialization import _extension_codes
+    from actorrpc.serialization._extension_codes import (
+        FIRST_CODE,
+        check_extension_codes,
+        register_extension_code,
+    )
+
+    monkeypatch.setattr(_extension_codes, "_conflicts", [])
+    check_extension_codes()  # this process holds every code
+    register_extension_code(textwrap.dedent, 0)  # the array form's code, taken
+    with pytest.raises(rpc.SerializationError) as caught:
+        check_extension_codes()
+    message = str(caught.value)
+    assert "textwrap.dedent" in message and f"{FIRST_CODE:#x}" in message
+    assert "cannot take part" in message
+    import copyreg
+
+    assert copyreg._inverted_registry[FIRST_CODE][1] == "_rebuild_from_array"  # unchanged
+
+
+_AGENT_WITH_A_TAKEN_CODE = """
+import copyreg
+import textwrap
+copyreg.add_extension("textwrap", "dedent", 0x61637201)  # before actorrpc: its code is taken
+import actorrpc as rpc
+from actorrpc._ports import free_ports
+
+options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_ports('127.0.0.1', 1)[0]}")
+try:
+    rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=options)
+except rpc.SerializationError as exc:
+    print("refused:", exc)
+else:
+    rpc.shutdown()
+"""
+
+
+def test_init_rpc_refuses_a_process_whose_extension_codes_clash(tmp_path) -> None:
+    output = run_script(tmp_path, _AGENT_WITH_A_TAKEN_CODE, timeout=60)
+    assert "refused:" in output, output
+    assert "_rebuild_from_strided_array as code 0x61637201" in output, output
+
 _SMALL_TENSORS_UNDER_GC_PRESSURE = '''
 import gc, os, sys, threading
 import torch, torch.multiprocessing as mp

@@ -1,4 +1,4 @@
-"""The actorrpc wire format (protocol version 4).
+"""The actorrpc wire format (protocol version 10).
 
 Topology
 --------
@@ -33,7 +33,10 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
 
     offset size field
     0      2    magic       b"AR"
-    2      1    version     PROTOCOL_VERSION (8; 7 pickled a strided view of a
+    2      1    version     PROTOCOL_VERSION (10; 9 named the tensor rebuild
+                            functions by module and name instead of extension
+                            codes, 8 had no function references, 7 pickled a
+                            strided view of a
                             numpy dtype in the general form of
                             serialization._tensors, and its rings' writers rang
                             the doorbell after every record, their readers never
@@ -102,6 +105,12 @@ function itself, or, for one that travels by reference (importable by its module
 and name), ``bytes``: that function's own pickle, made once per function by the
 caller and resolved once per distinct reference by the callee
 (``serialization._function_refs``). Protocol version 9 introduced it.
+
+A tensor's rebuild function travels as a pickle extension code (``EXT4``), not
+by module and name: ``0x61637200`` rebuilds the array form, ``0x61637201`` the
+strided array form, ``0x61637202`` the general form
+(``serialization._extension_codes``, ``serialization._tensors``). Protocol
+version 10 introduced them.
 
 ``meta`` is a dict of call metadata contributed by registered call hooks (for
 example the distributed autograd context id). Higher layers register handlers
@@ -206,7 +215,7 @@ __all__ = [
 ]
 
 MAGIC = b"AR"
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535

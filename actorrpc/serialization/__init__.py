@@ -1,5 +1,6 @@
 """Serialization: pickle protocol 5, out-of-band tensor buffers, dill for code by value."""
 
+from ._extension_codes import check_extension_codes
 from ._function_refs import function_reference, resolve_function_reference
 from ._pickling import (
     PickleTarget,
@@ -16,6 +17,7 @@ from ._pickling import (
 __all__ = [
     "PickleTarget",
     "UnpickleSource",
+    "check_extension_codes",
     "current_pickle_target",
     "current_unpickle_source",
     "dumps",

@@ -26,6 +26,9 @@ Two wire forms, both rebuilt without copying the data again:
 
 Anything else (CUDA, sparse, quantized, conjugate or negative bits) is left to
 torch's own reduction (:func:`reduce_tensor` returns ``NotImplemented``).
+
+The three rebuild functions travel as pickle extension codes, not by name
+(:mod:`._extension_codes`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from ._extension_codes import register_extension_code
 
 __all__ = ["IN_BAND_LIMIT", "reduce_tensor"]
 
@@ -247,3 +252,9 @@ def _reduce_general(tensor: torch.Tensor) -> Any:
             _data(view.cast("B"), view.nbytes),
         ),
     )
+
+
+# (indexes are part of the wire format: see ``_extension_codes``)
+register_extension_code(_rebuild_from_array, 0)
+register_extension_code(_rebuild_from_strided_array, 1)
+register_extension_code(_rebuild_tensor, 2)
