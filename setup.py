@@ -52,6 +52,7 @@ COMPILED_MODULES = [
     "actorrpc/autograd/_context.py",
     "actorrpc/autograd/_engine.py",
     "actorrpc/autograd/_functions.py",
+    "actorrpc/autograd/_node_bodies.py",
     "actorrpc/autograd/_pass_driver.py",
     "actorrpc/autograd/_recording.py",
 ]

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ._node_bodies import detached_inputs
+
 __all__ = ["RecvRpc", "SendRpc"]
 
 _detach = torch.Tensor.detach
@@ -36,12 +38,7 @@ class SendRpc(torch.autograd.Function):
 class RecvRpc(torch.autograd.Function):
     """Identity; its node (tagged with the message) is the grad_fn of received tensors."""
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        # detach() rather than a view: users may modify received tensors in place.
-        return tuple(map(_detach, tensors))
+    forward = staticmethod(detached_inputs)  # (compiled in the compiled build)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:  # type: ignore[override]
