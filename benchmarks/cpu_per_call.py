@@ -18,7 +18,11 @@ context, an RPC'd ``torch.add`` of two 64x64 tensors, backward, get_gradients);
 ``PROFILE_SORT``, default ``cumulative``, e.g. ``PROFILE_SORT=tottime``).
 A waiting thread's busy polling counts as CPU: ``ACTORRPC_BUSY_POLL=0 python
 benchmarks/cpu_per_call.py ...`` shows the CPU of the work alone (with blocking
-waits). Figures are in docs/performance.md.
+waits, whose wake-ups cost more). So each side's line ``busy polls`` splits the
+wall time of a call between the spins of its receiving thread's busy polls (the
+transport's own count) and the rest: the work, and the waits that are not spins
+(a call's critical path is the two sides' rests, less what they overlap).
+Figures are in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -71,6 +75,18 @@ def thread_cpu() -> dict[str, tuple[float, int, int]]:
     return usage
 
 
+def spun_seconds() -> float:
+    """Seconds the busy polls of this worker's transport spun so far."""
+    from actorrpc.agent import current_agent
+
+    return current_agent()._transport.spin_counts()[0]
+
+
+def _report_spins(side: str, spun: float, elapsed: float, n: int) -> None:
+    print(f"  {side:6s} busy polls spun {spun / n * 1e6:7.1f} us/call, "
+          f"the rest {(elapsed - spun) / n * 1e6:7.1f} us/call")
+
+
 def _report(side: str, before: dict[str, tuple[float, int, int]],
             after: dict[str, tuple[float, int, int]], n: int) -> None:
     for thread in sorted(after):
@@ -118,6 +134,7 @@ def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool,
         for _ in range(300):
             _one_call(rpc, "sync" if mode == "async" else mode, payload)
         before, peer_before = thread_cpu(), rpc.rpc_sync("worker1", thread_cpu)
+        spun, peer_spun = spun_seconds(), rpc.rpc_sync("worker1", spun_seconds)
         latencies: list[float] = []
         profiler = cProfile.Profile() if profile else None
         if profiler is not None:
@@ -136,6 +153,7 @@ def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool,
         elapsed = time.perf_counter() - started
         if profiler is not None:
             profiler.disable()
+        spun, peer_spun = spun_seconds() - spun, rpc.rpc_sync("worker1", spun_seconds) - peer_spun
         after, peer_after = thread_cpu(), rpc.rpc_sync("worker1", thread_cpu)
         line = f"{mode}: {n / elapsed:,.0f} calls/s"
         if latencies:
@@ -149,6 +167,8 @@ def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool,
         print(line)
         _report("caller", before, after, n)
         _report("callee", peer_before, peer_after, n)
+        _report_spins("caller", spun, elapsed, n)
+        _report_spins("callee", peer_spun, elapsed, n)
         if profiler is not None:
             order = os.environ.get("PROFILE_SORT", "cumulative")
             stats = pstats.Stats(profiler).sort_stats(order)
