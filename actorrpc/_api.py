@@ -22,6 +22,7 @@ from .agent import (
 from .agent._current import current_agent_or_none
 from .errors import AlreadyInitializedError, InvalidArgumentError
 from .rref import remote as remote
+from .serialization import check_extension_codes
 
 __all__ = [
     "get_rpc_timeout",
@@ -104,7 +105,9 @@ def init_rpc(
         InvalidNameError: the name breaks the rule.
         AlreadyInitializedError: RPC is already initialized in this process.
         RendezvousError: duplicate names or ranks, a group that never fills or
-            an unreachable master, within ``init_timeout``.
+            an unreachable master, within ``init_timeout``; or this process's
+            ``copyreg`` registry holds the pickle extension codes actorrpc sends
+            tensors with (``serialization._extension_codes``).
 
     Example::
 
@@ -153,6 +156,8 @@ def init_rpc(
     with _init_lock:
         if current_agent_or_none() is not None:
             raise AlreadyInitializedError("RPC is already initialized in this process")
+        # (before the rendezvous: peers would send codes this process decodes otherwise)
+        check_extension_codes()
         if options.freeze_gc:  # first: a full collection may otherwise land in the rendezvous
             _freeze_gc()
         try:

@@ -82,6 +82,11 @@ def spun_seconds() -> float:
     return current_agent()._transport.spin_counts()[0]
 
 
+def _cpu_and_spins() -> tuple[dict[str, tuple[float, int, int]], float]:
+    """:func:`thread_cpu` and :func:`spun_seconds` of this process, in one call."""
+    return thread_cpu(), spun_seconds()
+
+
 def _report_spins(side: str, spun: float, elapsed: float, n: int) -> None:
     print(f"  {side:6s} busy polls spun {spun / n * 1e6:7.1f} us/call, "
           f"the rest {(elapsed - spun) / n * 1e6:7.1f} us/call")
@@ -133,8 +138,8 @@ def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool,
         payload = torch.rand(max(1, size // 4))
         for _ in range(300):
             _one_call(rpc, "sync" if mode == "async" else mode, payload)
-        before, peer_before = thread_cpu(), rpc.rpc_sync("worker1", thread_cpu)
-        spun, peer_spun = spun_seconds(), rpc.rpc_sync("worker1", spun_seconds)
+        peer_before, peer_spun = rpc.rpc_sync("worker1", _cpu_and_spins)
+        before, spun = _cpu_and_spins()
         latencies: list[float] = []
         profiler = cProfile.Profile() if profile else None
         if profiler is not None:
@@ -153,8 +158,9 @@ def _worker(rank: int, port: int, mode: str, n: int, size: int, pin: bool,
         elapsed = time.perf_counter() - started
         if profiler is not None:
             profiler.disable()
-        spun, peer_spun = spun_seconds() - spun, rpc.rpc_sync("worker1", spun_seconds) - peer_spun
-        after, peer_after = thread_cpu(), rpc.rpc_sync("worker1", thread_cpu)
+        after, spun_after = _cpu_and_spins()
+        peer_after, peer_spun_after = rpc.rpc_sync("worker1", _cpu_and_spins)
+        spun, peer_spun = spun_after - spun, peer_spun_after - peer_spun
         line = f"{mode}: {n / elapsed:,.0f} calls/s"
         if latencies:
             latencies.sort()

@@ -588,7 +588,6 @@ def test_code_by_value_takes_project_modules_by_reference() -> None:
     assert rebuilt.__closure__[0].cell_contents is actorrpc  # the module itself, by name
 
 
-
 def _extension_codes_in(payload: bytes) -> list[int]:
     import pickletools
 
@@ -613,28 +612,51 @@ def test_tensor_rebuild_functions_travel_as_extension_codes(out_of_band) -> None
         assert rebuilt.stride() == tensor.stride()
 
 
-def test_an_extension_code_held_by_another_package_is_named_before_joining(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A process whose registry gives one of the codes to something else cannot take part."""
-    from actorrpc.serialization import _extension_codes
-    from actorrpc.serialization._extension_codes import (
-        FIRST_CODE,
-        check_extension_codes,
-        register_extension_code,
-    )
-
-    monkeypatch.setattr(_extension_codes, "_conflicts", [])
-    check_extension_codes()  # this process holds every code
-    register_extension_code(textwrap.dedent, 0)  # the array form's code, taken
-    with pytest.raises(rpc.SerializationError) as caught:
-        check_extension_codes()
-    message = str(caught.value)
-    assert "textwrap.dedent" in message and f"{FIRST_CODE:#x}" in message
-    assert "cannot take part" in message
+def test_this_process_maps_each_extension_code_to_its_rebuild_function_and_back() -> None:
     import copyreg
 
-    assert copyreg._inverted_registry[FIRST_CODE][1] == "_rebuild_from_array"  # unchanged
+    from actorrpc.serialization import _tensors
+    from actorrpc.serialization._extension_codes import FIRST_CODE, check_extension_codes
+
+    functions = [_tensors._rebuild_from_array, _tensors._rebuild_from_strided_array,
+                 _tensors._rebuild_tensor]
+    for index, function in enumerate(functions):
+        key = (function.__module__, function.__qualname__)
+        assert copyreg._extension_registry[key] == FIRST_CODE + index
+        assert copyreg._inverted_registry[FIRST_CODE + index] == key
+    check_extension_codes()
+
+
+def test_an_extension_code_held_otherwise_is_named_with_what_holds_it() -> None:
+    """A code taken by another global, and actorrpc's global moved to another code."""
+    import copyreg
+
+    from actorrpc.serialization import _tensors
+    from actorrpc.serialization._extension_codes import FIRST_CODE, check_extension_codes
+
+    key = (_tensors.__name__, "_rebuild_from_array")
+    copyreg.remove_extension(*key, FIRST_CODE)
+    try:
+        copyreg.add_extension("textwrap", "dedent", FIRST_CODE)
+        with pytest.raises(rpc.RendezvousError) as caught:
+            check_extension_codes()
+        message = str(caught.value)
+        assert f"code {FIRST_CODE:#x} for {key[0]}._rebuild_from_array is held by " \
+            "textwrap.dedent" in message, message
+        assert "cannot join" in message and "copyreg.add_extension" in message
+        copyreg.remove_extension("textwrap", "dedent", FIRST_CODE)
+        copyreg.add_extension(*key, FIRST_CODE + 99)  # the global under another code
+        with pytest.raises(rpc.RendezvousError, match=f"has code {FIRST_CODE + 99:#x}"):
+            check_extension_codes()
+        copyreg.remove_extension(*key, FIRST_CODE + 99)
+        with pytest.raises(rpc.RendezvousError, match="is held by nothing"):  # removed
+            check_extension_codes()
+    finally:
+        for other_key, code in ((("textwrap", "dedent"), FIRST_CODE), (key, FIRST_CODE + 99)):
+            if copyreg._extension_registry.get(other_key) == code:
+                copyreg.remove_extension(*other_key, code)
+        copyreg.add_extension(*key, FIRST_CODE)
+    check_extension_codes()
 
 
 _AGENT_WITH_A_TAKEN_CODE = """
@@ -644,20 +666,23 @@ copyreg.add_extension("textwrap", "dedent", 0x61637201)  # before actorrpc: its 
 import actorrpc as rpc
 from actorrpc._ports import free_ports
 
-options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_ports('127.0.0.1', 1)[0]}")
+# a group of two that never fills: the refusal must come before the rendezvous
+options = rpc.ZmqRpcBackendOptions(
+    init_method=f"tcp://127.0.0.1:{free_ports('127.0.0.1', 1)[0]}", init_timeout=20
+)
 try:
-    rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=options)
-except rpc.SerializationError as exc:
+    rpc.init_rpc("worker0", rank=0, world_size=2, rpc_backend_options=options)
+except rpc.RendezvousError as exc:
     print("refused:", exc)
-else:
-    rpc.shutdown()
 """
 
 
 def test_init_rpc_refuses_a_process_whose_extension_codes_clash(tmp_path) -> None:
     output = run_script(tmp_path, _AGENT_WITH_A_TAKEN_CODE, timeout=60)
     assert "refused:" in output, output
-    assert "_rebuild_from_strided_array as code 0x61637201" in output, output
+    assert "code 0x61637201 for actorrpc.serialization._tensors._rebuild_from_strided_array " \
+        "is held by textwrap.dedent" in output, output
+
 
 _SMALL_TENSORS_UNDER_GC_PRESSURE = '''
 import gc, os, sys, threading

@@ -41,7 +41,7 @@ from ..errors import (
     ShutdownError,
 )
 from ..protocol import FLAG_RIDERS, Header, MessageKind, encode_header, encode_inline
-from ..serialization import PickleTarget, check_extension_codes, dumps_for, function_reference
+from ..serialization import PickleTarget, dumps_for, function_reference
 from ..transport import Transport
 from ._batch_scheduling import MAX_AGENT_IO_WAIT, BatchScheduling
 from ._call_result import CallResult
@@ -110,7 +110,6 @@ class Agent(MessageDispatcher):
     def __init__(
         self, name: str, rank: int, world_size: int | None, options: ZmqRpcBackendOptions
     ) -> None:
-        check_extension_codes()  # (before joining: peers would send codes it cannot decode)
         self.name = name
         self.options = options
         self.dynamic = world_size is None

@@ -1,5 +1,5 @@
-"""The bodies of the identity ``Function`` s' ``forward`` (:mod:`._nodes`), apart from
-their classes so that the compiled build compiles them.
+"""The body of ``RecvRpc.forward`` (:mod:`._nodes`), apart from its class so that the
+compiled build compiles it.
 
 torch's C++ ``Function.apply`` calls ``forward`` once per message that carries
 tensors requiring grad: a compiled function is called without a Python frame,

@@ -36,8 +36,7 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
     2      1    version     PROTOCOL_VERSION (10; 9 named the tensor rebuild
                             functions by module and name instead of extension
                             codes, 8 had no function references, 7 pickled a
-                            strided view of a
-                            numpy dtype in the general form of
+                            strided view of a numpy dtype in the general form of
                             serialization._tensors, and its rings' writers rang
                             the doorbell after every record, their readers never
                             set ``asleep``; 6 had no message id in a

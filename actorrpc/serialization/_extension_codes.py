@@ -13,10 +13,14 @@ Invariants:
   fixed, :data:`FIRST_CODE` + the index given to :func:`register_extension_code`,
   the same in every worker of a group. A peer of another protocol version is
   refused on its first message, so no code meets a table other than its own.
-* The registry is process-wide. Where another package holds one of these codes
-  (or one of these globals under another code), this process would decode a peer's
-  code into the wrong object: the registration is left out and
-  :func:`check_extension_codes` (run when an agent starts) raises, naming both.
+* The registry is process-wide. A process whose registry does not map each code to
+  its global and back when it joins a group (another package holds the code or the
+  global, or removed the registration) would decode a peer's code into the wrong
+  object, or not at all: :func:`check_extension_codes` (``init_rpc``, before the
+  rendezvous) raises instead, naming what holds them.
+* Every pickle of these functions made in a process that imported actorrpc carries
+  the codes, so it unpickles only where actorrpc is imported too. Only the wire's
+  pickler reduces tensors to them.
 """
 
 from __future__ import annotations
@@ -24,33 +28,50 @@ from __future__ import annotations
 import copyreg
 from typing import Any
 
-from ..errors import SerializationError
+from ..errors import RendezvousError
 
 __all__ = ["FIRST_CODE", "check_extension_codes", "register_extension_code"]
 
 FIRST_CODE = 0x61637200
-"""The first of actorrpc's codes (``b"acr\\0"``; codes above 255 are left to applications
-by pickle's registry, none of them assigned)."""
+"""The first of actorrpc's codes (``b"acr\\0"``). pickle's registry reserves codes from 256
+on for future assignment (none assigned so far, and few packages use the registry at
+all); :func:`check_extension_codes` guards against another use of them."""
 
-_conflicts: list[str] = []
+# (module, qualified name, code) of each registration: the key pickle's save_global looks up
+_wanted: list[tuple[str, str, int]] = []
 
 
 def register_extension_code(obj: Any, index: int) -> None:
-    """Let ``obj`` (a module-level function or class) travel as code ``FIRST_CODE + index``."""
-    # (the key pickle's own save_global looks up: the object's module and qualified name)
+    """Let ``obj`` (a module-level function or class) travel as code ``FIRST_CODE + index``
+    (left out where the code or ``obj`` is registered otherwise: see the module docstring)."""
     module, name = obj.__module__, getattr(obj, "__qualname__", None) or obj.__name__
     code = FIRST_CODE + index
+    _wanted.append((module, name, code))
     try:
         copyreg.add_extension(module, name, code)
-    except ValueError as exc:  # the code or the global is registered otherwise
-        _conflicts.append(f"{module}.{name} as code {code:#x} ({exc})")
+    except ValueError:
+        pass  # (named by check_extension_codes)
+
+
+def _holder(code: int) -> str:
+    key = copyreg._inverted_registry.get(code)  # type: ignore[attr-defined]
+    return "nothing" if key is None else ".".join(key)
 
 
 def check_extension_codes() -> None:
-    """Raise :class:`SerializationError` if one of actorrpc's codes could not be registered."""
-    if _conflicts:
-        raise SerializationError(
-            "actorrpc's pickle extension codes clash with registrations of another package in "
-            f"this process (copyreg.add_extension): {'; '.join(_conflicts)}; peers would send "
-            "these codes for actorrpc's tensor rebuild functions, so this process cannot take part"
+    """Raise :class:`RendezvousError` unless each of actorrpc's codes maps to its global and
+    back in this process's registry."""
+    registry: dict[tuple[str, str], int] = copyreg._extension_registry  # type: ignore[attr-defined]
+    clashes = []
+    for module, name, code in _wanted:
+        held = registry.get((module, name))
+        if held != code or copyreg._inverted_registry.get(code) != (module, name):  # type: ignore[attr-defined]
+            now = "" if held is None or held == code else f"; {module}.{name} has code {held:#x}"
+            clashes.append(f"code {code:#x} for {module}.{name} is held by {_holder(code)}{now}")
+    if clashes:
+        raise RendezvousError(
+            "this process cannot join an actorrpc group: actorrpc sends its tensor rebuild "
+            "functions as pickle extension codes, and this process's copyreg registry maps them "
+            f"otherwise ({'; '.join(clashes)}); run it without the registration that takes them "
+            "(copyreg.add_extension)"
         )
