@@ -15,15 +15,19 @@ kind (``MessageKind`` value: 1 CALL, 2 RESPONSE, 4 REMOTE_CALL, 5 RREF_FETCH,
 one step of bench_rpc.py's RNN tutorial training step, ``benchmarks/_training.py``; ``rref``
 passes an RRef to its owner). Iterations are
 grouped by their sequence of events and, for the most common sequences, the median time of
-each event since the iteration began is printed. ``--probe module:Class.method`` (repeatable)
-adds events on entering (``P``) and leaving (``p``) any function; ``kind`` is then the
-probe's index.
+each event since the iteration began is printed, with the median and 90th percentile of
+the gap since the event before (per iteration: which step varies).
+``--probe module:Class.method`` (repeatable) adds events on entering (``P``) and leaving
+(``p``) any function; ``kind`` is then the probe's index.
 
 Reading it: the gaps between ``R`` and the next ``S`` on one side are Python
 (decoding, unpickling, the handler, pickling); ``S`` to ``s`` is the send (on a
 pinned worker it includes libzmq's I/O thread, which runs on the same core);
 ``s`` to the peer's ``R`` is the wire. The recording itself adds a few µs per event.
-Figures are in docs/performance.md.
+In a compiled build (``ACTORRPC_COMPILE=1``) only ``R`` and ``V``/``v`` are recorded:
+compiled modules call each other directly, past the wrappers (and past probes of
+compiled functions); probes of Python functions (the facades, torch's methods) still
+record. Figures are in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -176,11 +180,27 @@ def _print_timeline(starts: list[float], events: list[tuple[float, str, int]]) -
         by_sequence[key].append([when - begin for when, _, _ in window] + [end - begin])
     total = len(starts) - 1
     for key, rows in sorted(by_sequence.items(), key=lambda item: -len(item[1]))[:2]:
-        print(f"{len(rows)} of {total} iterations had this sequence (median µs since it began):")
+        print(f"{len(rows)} of {total} iterations had this sequence (median µs since it began;"
+              " the gap since the event before, per iteration: median / 90th percentile):")
         medians = [statistics.median(column) * 1e6 for column in zip(*rows)]
-        for (what, kind), median in zip(key, medians):
-            print(f"  {median:8.1f}  {what}  kind {kind}")
-        print(f"  {medians[-1]:8.1f}  end of the iteration")
+        gaps = _gap_quantiles(rows)
+        for (what, kind), median, (gap, gap90) in zip(key, medians, gaps):
+            print(f"  {median:8.1f}  {what}  kind {kind:<3d}  gap {gap:6.1f} / {gap90:6.1f}")
+        gap, gap90 = gaps[-1]
+        print(f"  {medians[-1]:8.1f}  end of the iteration  gap {gap:6.1f} / {gap90:6.1f}")
+
+
+def _gap_quantiles(rows: list[list[float]]) -> list[tuple[float, float]]:
+    """Per column of ``rows`` (times since each iteration began, in seconds): the median
+    and 90th percentile (µs) of the gap since the column before (the first: since the
+    start), taken per iteration. A median timeline alone hides which step varies."""
+    quantiles = []
+    before = [0.0] * len(rows)
+    for column in zip(*rows):
+        gaps = sorted((now - then) * 1e6 for now, then in zip(column, before))
+        quantiles.append((statistics.median(gaps), gaps[(9 * (len(gaps) - 1)) // 10]))
+        before = list(column)
+    return quantiles
 
 
 def _worker(rank: int, port: int, mode: str, n: int, pin: bool, probes: list[str]) -> None:
