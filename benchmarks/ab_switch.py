@@ -22,7 +22,8 @@ before), ``autograd`` (bench_rpc's iteration), ``async`` (windows of 500 rpc_asy
 each future waited on in turn), ``async_all`` (the same, waited on with
 ``torch.futures.wait_all`` as bench_rpc does: the replies are taken by the agent's I/O
 thread while the caller blocks in C++), ``tensor`` (rpc_sync of ``torch.add`` on two
-64x64 tensors, outside autograd) and ``rref`` (rpc_sync passing an RRef to its owner).
+64x64 tensors, outside autograd), ``tensors32`` (rpc_sync of a no-op with a list of 32
+4x4 tensors) and ``rref`` (rpc_sync passing an RRef to its owner).
 Figures are in docs/performance.md.
 """
 
@@ -42,14 +43,16 @@ from _common import ensure_repo_on_path, free_port
 
 ensure_repo_on_path()
 
-MODES = ("sync", "remote", "rebind", "autograd", "async", "async_all", "tensor", "rref")
+MODES = ("sync", "remote", "rebind", "autograd", "async", "async_all", "tensor", "tensors32",
+         "rref")
 _BLOCK_CALLS = {"sync": 300, "remote": 250, "rebind": 250, "autograd": 120, "async": 2000,
-                "async_all": 2000, "tensor": 250, "rref": 300}
+                "async_all": 2000, "tensor": 250, "tensors32": 200, "rref": 300}
 _THROUGHPUT_MODES = ("async", "async_all")
 _REBOUND: dict[str, Any] = {}
 _ASYNC_WINDOW = 500
 _LEAVES = [torch.rand(64, 64, requires_grad=True) for _ in range(2)]
 _TENSORS = [leaf.detach() for leaf in _LEAVES]
+_SMALL_TENSORS = [torch.rand(4, 4) for _ in range(32)]
 
 
 def noop(*args: Any) -> None:
@@ -95,6 +98,8 @@ def _one_call(rpc: Any, mode: str) -> None:
         _REBOUND["rref"].to_here()
     elif mode == "tensor":
         rpc.rpc_sync("worker1", torch.add, args=(_TENSORS[0], _TENSORS[1]))
+    elif mode == "tensors32":  # a message of many small tensors (a list of parameters)
+        rpc.rpc_sync("worker1", noop, args=(_SMALL_TENSORS,))
     elif mode == "rref":  # an RRef passed to its owner
         if "owned" not in _REBOUND:
             _REBOUND["owned"] = rpc.remote("worker1", noop, args=(1,))

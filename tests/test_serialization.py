@@ -616,15 +616,86 @@ def test_this_process_maps_each_extension_code_to_its_rebuild_function_and_back(
     import copyreg
 
     from actorrpc.serialization import _tensors
-    from actorrpc.serialization._extension_codes import FIRST_CODE, check_extension_codes
+    from actorrpc.serialization._extension_codes import (
+        FIRST_CODE,
+        check_extension_codes,
+        registered_object,
+    )
 
     functions = [_tensors._rebuild_from_array, _tensors._rebuild_from_strided_array,
-                 _tensors._rebuild_tensor]
+                 _tensors._rebuild_tensor, registered_object]
     for index, function in enumerate(functions):
         key = (function.__module__, function.__qualname__)
         assert copyreg._extension_registry[key] == FIRST_CODE + index
         assert copyreg._inverted_registry[FIRST_CODE + index] == key
+        assert registered_object(FIRST_CODE + index) is function
     check_extension_codes()
+
+
+def _three_forms() -> list[torch.Tensor]:
+    """One tensor of each wire form: array, strided array, general."""
+    return [torch.rand(4, 4), torch.rand(4, 3).t(), torch.rand(5, dtype=torch.bfloat16)]
+
+
+def test_a_message_of_many_tensors_names_each_rebuild_function_through_the_memo(
+    out_of_band,
+) -> None:
+    """Extension codes are not memoized by pickle: from the third save of a rebuild
+    function in one pickle on, it travels once as registered_object(code), then as memo
+    references, instead of as its code for every tensor."""
+    import pickletools
+
+    from actorrpc.serialization._extension_codes import FIRST_CODE, MEMOIZED_AFTER
+
+    assert MEMOIZED_AFTER == 2
+    array, strided, general = FIRST_CODE, FIRST_CODE + 1, FIRST_CODE + 2
+    by_reference = FIRST_CODE + 3
+    tensors = [torch.rand(3, 2) for _ in range(6)] + _three_forms() + _three_forms()
+    payload, buffers = dumps(tensors)
+    ops = [(op.name, arg) for op, arg, _ in pickletools.genops(payload)]
+    # two saves as codes (array), then each function once through registered_object ...
+    assert _extension_codes_in(payload) == [array, array] + [by_reference] * 3
+    calls = [i for i, op in enumerate(ops) if op == ("EXT4", by_reference)]
+    assert [ops[i + 1][1] for i in calls] == [array, strided, general]
+    # ... and as memo references after that: one reduction a tensor, one a call; the
+    # memo references are the functions' and the second bfloat16 dtype's
+    assert sum(1 for name, _ in ops if name == "REDUCE") == len(tensors) + len(calls)
+    assert sum(1 for name, _ in ops if name in ("BINGET", "LONG_BINGET")) == (
+        len(tensors) - 2 - len(calls) + 1
+    )
+    rebuilt = loads(payload, buffers)
+    for original, back in zip(tensors, rebuilt):
+        assert back.dtype == original.dtype and back.stride() == original.stride()
+        assert torch.equal(back, original)
+    # the count starts again with each pickle: one tensor after many is its code alone
+    for form, code in zip(_three_forms(), (array, strided, general)):
+        assert _extension_codes_in(dumps(form)[0]) == [code]
+        assert _extension_codes_in(dumps([form, form.clone()])[0]) == [code, code]
+
+
+def test_registered_object_refuses_a_code_actorrpc_did_not_register() -> None:
+    from actorrpc.serialization._extension_codes import FIRST_CODE, registered_object
+
+    stranger = FIRST_CODE + 99
+    with pytest.raises(pickle.UnpicklingError, match=f"{stranger:#x}"):
+        registered_object(stranger)
+
+    class CallsItWithAStranger:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return registered_object, (stranger,)
+
+    payload = pickle.dumps(CallsItWithAStranger(), 5)
+    with pytest.raises(rpc.DeserializationError, match=f"extension code {stranger:#x}"):
+        loads(payload)
+
+
+def test_many_tensors_of_each_form_through_the_group(cluster):
+    tensors = _three_forms() * 4 + [torch.rand(2, 2, requires_grad=True) for _ in range(3)]
+    back = rpc.rpc_sync("worker1", echo, args=(tensors,))
+    for original, received in zip(tensors, back):
+        assert received.dtype == original.dtype and received.stride() == original.stride()
+        assert received.requires_grad == original.requires_grad
+        assert torch.equal(received.detach(), original.detach())
 
 
 def test_an_extension_code_held_otherwise_is_named_with_what_holds_it() -> None:

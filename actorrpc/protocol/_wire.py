@@ -1,4 +1,4 @@
-"""The actorrpc wire format (protocol version 10).
+"""The actorrpc wire format (protocol version 11).
 
 Topology
 --------
@@ -33,9 +33,11 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
 
     offset size field
     0      2    magic       b"AR"
-    2      1    version     PROTOCOL_VERSION (10; 9 named the tensor rebuild
-                            functions by module and name instead of extension
-                            codes, 8 had no function references, 7 pickled a
+    2      1    version     PROTOCOL_VERSION (11; 10 named a tensor rebuild
+                            function by its extension code each time, never
+                            through registered_object, 9 named them by
+                            module and name instead of extension codes, 8 had
+                            no function references, 7 pickled a
                             strided view of a numpy dtype in the general form of
                             serialization._tensors, and its rings' writers rang
                             the doorbell after every record, their readers never
@@ -109,7 +111,11 @@ A tensor's rebuild function travels as a pickle extension code (``EXT4``), not
 by module and name: ``0x61637200`` rebuilds the array form, ``0x61637201`` the
 strided array form, ``0x61637202`` the general form
 (``serialization._extension_codes``, ``serialization._tensors``). Protocol
-version 10 introduced them.
+version 10 introduced them. pickle does not memoize extension codes: from the
+third time one pickle saves a rebuild function on, it is written as
+``registered_object(code)`` (code ``0x61637203``, a ``REDUCE`` that pickle
+memoizes), so the later tensors of a message of many refer to it through the memo
+(protocol version 11).
 
 ``meta`` is a dict of call metadata contributed by registered call hooks (for
 example the distributed autograd context id). Higher layers register handlers
@@ -214,7 +220,7 @@ __all__ = [
 ]
 
 MAGIC = b"AR"
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535

@@ -34,6 +34,7 @@ from mypy_extensions import mypyc_attr
 
 from ..errors import DeserializationError, SerializationError
 from ._by_value import reduce_by_value
+from ._extension_codes import MEMOIZED_AFTER, memoized_codes, registered_object
 from ._tensors import reduce_tensor
 
 __all__ = [
@@ -265,10 +266,19 @@ register_reducer(types.BuiltinFunctionType, _reduce_builtin)
 
 @mypyc_attr(native_class=False)  # (see actorrpc/_compiled.py)
 class _WirePickler(pickle.Pickler):
+    # saves of the objects in ``memoized_codes`` (tensor rebuild functions) in this pickle
+    # (reset by ``_dump``; a fresh pickler starts at 0)
+    memoized_saves = 0
+
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
         if cls is torch.Tensor or cls is torch.nn.Parameter:
             return reduce_tensor(obj)
+        code = memoized_codes.get(id(obj))
+        if code is not None:  # its code alone the first times, then memoized (the memo
+            # answers later saves before this is asked again: see _extension_codes)
+            self.memoized_saves = saves = self.memoized_saves + 1
+            return NotImplemented if saves <= MEMOIZED_AFTER else (registered_object, (code,))
         reducer = _reducers.get(cls)
         if reducer is not None:
             return reducer(obj)
@@ -337,6 +347,7 @@ def _dump(obj: Any, state: _ThreadState | None = None) -> tuple[bytes, list[pick
     state.busy = True
     payload = b""  # stays empty if pickling fails (a pickle is never empty)
     try:
+        state.pickler.memoized_saves = 0
         state.pickler.dump(obj)
         payload = state.stream.getvalue()
         buffers = list(state.buffers)

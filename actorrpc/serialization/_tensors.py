@@ -255,6 +255,6 @@ def _reduce_general(tensor: torch.Tensor) -> Any:
 
 
 # (indexes are part of the wire format: see ``_extension_codes``)
-register_extension_code(_rebuild_from_array, 0)
-register_extension_code(_rebuild_from_strided_array, 1)
-register_extension_code(_rebuild_tensor, 2)
+register_extension_code(_rebuild_from_array, 0, memoized=True)
+register_extension_code(_rebuild_from_strided_array, 1, memoized=True)
+register_extension_code(_rebuild_tensor, 2, memoized=True)
