@@ -6,8 +6,10 @@ import argparse
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -54,3 +56,19 @@ def test_the_command_line_refuses_unknown_modes_and_too_few_blocks() -> None:
         ab_switch.main(["--switch", "agent:held.enabled", "--modes", "sync,nope"])
     with pytest.raises(SystemExit):
         ab_switch.main(["--switch", "agent:held.enabled", "--blocks", "1"])
+
+
+def test_the_many_tensors_mode_sends_one_list_of_32_tensors() -> None:
+    calls: list[tuple[Any, ...]] = []
+
+    class Recorder:
+        def rpc_sync(self, to: str, func: Any, args: tuple[Any, ...] = ()) -> None:
+            calls.append((to, func, args))
+
+    assert "tensors32" in ab_switch.MODES and ab_switch._BLOCK_CALLS["tensors32"] > 0
+    ab_switch._one_call(Recorder(), "tensors32")
+    [(to, func, args)] = calls
+    assert to == "worker1" and func is ab_switch.noop
+    [tensors] = args
+    assert len(tensors) == 32 and all(isinstance(t, torch.Tensor) for t in tensors)
+    assert len({id(t) for t in tensors}) == 32  # (distinct tensors: each is reduced)
