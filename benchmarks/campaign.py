@@ -1,0 +1,168 @@
+"""A campaign: several full ``bench_rpc.py`` runs, pinned and unpinned interleaved, and
+the README's table of ranges over them.
+
+    python benchmarks/campaign.py --tag 2026-12-04-session36-compiled          # run + table
+    python benchmarks/campaign.py --tag 2026-12-04-session36-compiled --summarize-only
+
+Each run is ``python benchmarks/bench_rpc.py [--pin split] --rounds 3 --wait-idle 180``
+(each starts once the 1-minute load average is under 0.5), in the order pinned run 1,
+unpinned run 1, pinned run 2, ... so that both modes meet the host's phases alike; the
+records are ``OUT/{pinned,unpinned}-TAG-run{k}.json`` with a chart beside each. The
+table shows the figures of the middle pinned run by rpc_sync ratio and, per metric, the
+range of the ratio over the pinned and the unpinned runs; below it, the pinned autograd
+ratio of each round, and the ranges of the Python probe, of torch's rpc_sync and of the
+pyzmq floor (host phases). Benchmark an installed or built copy, never while anything
+else runs (tests, another benchmark). Figures are in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+BENCHMARKS = Path(__file__).resolve().parent
+MODES = ("pinned", "unpinned")
+_AUTOGRAD = "dist-autograd iteration, median (ms)"
+_SYNC = "rpc_sync latency, median (µs)"
+_FLOOR_RATIO = "rpc_sync median ÷ pyzmq floor RTT (×)"
+_LEFT_OUT = ("rpc_sync latency, p99 (µs)",)  # in the records, not in the README's table
+
+
+def record_path(out: Path, mode: str, tag: str, run: int) -> Path:
+    return out / f"{mode}-{tag}-run{run}.json"
+
+
+def plan(runs: int, tag: str, out: Path) -> list[tuple[str, int, list[str]]]:
+    """``(mode, run, argv)`` of each bench_rpc.py run, in the order they run."""
+    steps = []
+    for run in range(1, runs + 1):
+        for mode in MODES:
+            record = record_path(out, mode, tag, run)
+            argv = [sys.executable, str(BENCHMARKS / "bench_rpc.py")]
+            if mode == "pinned":
+                argv += ["--pin", "split"]
+            argv += ["--rounds", "3", "--wait-idle", "180", "--json", str(record),
+                     "--chart", str(record.with_suffix(".png"))]
+            steps.append((mode, run, argv))
+    return steps
+
+
+def _rows(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {row["metric"]: row for row in record["table"]}
+
+
+def _span(values: Sequence[float], fmt: str, unit: str = "×") -> str:
+    low, high = min(values), max(values)
+    if fmt.format(low) == fmt.format(high):
+        return fmt.format(low) + unit
+    return f"{fmt.format(low)}-{fmt.format(high)}{unit}"
+
+
+def middle_run(records: Sequence[dict[str, Any]]) -> int:
+    """The index of the record whose rpc_sync ratio is the median one."""
+    order = sorted(range(len(records)), key=lambda i: _rows(records[i])[_SYNC]["ratio"])
+    return order[(len(order) - 1) // 2]
+
+
+def summarize(pinned: Sequence[dict[str, Any]], unpinned: Sequence[dict[str, Any]]) -> str:
+    """The README's table (the middle pinned run's figures, the ranges of each mode's
+    ratios) and the lines that go with it, as Markdown."""
+    if not pinned or not unpinned:
+        raise ValueError("a campaign needs at least one pinned and one unpinned record")
+    middle = middle_run(pinned)
+    shown = _rows(pinned[middle])
+    floors = [r["floor"]["rpc_sync"]["median_us"] for r in (*pinned, *unpinned)]
+    lines = [
+        f"(the middle pinned run by rpc_sync: run {middle + 1} of {len(pinned)})",
+        "",
+        "| metric | torch | actorrpc | actorrpc better by | range, pinned | range, unpinned |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for metric, row in shown.items():
+        if metric in _LEFT_OUT:
+            continue
+        if metric == _FLOOR_RATIO:  # actorrpc's ratio to the floor, not to torch
+            label = f"rpc_sync ÷ pyzmq floor ({_span(floors, '{:.0f}', ' µs')})"
+            ranges = [_span([_rows(r)[metric]["actorrpc"] for r in records], "{:.2f}")
+                      for records in (pinned, unpinned)]
+            lines.append(f"| {label} | {row['torch_text']}× | {row['actorrpc_text']}× | – "
+                         f"| {ranges[0]} | {ranges[1]} |")
+            continue
+        ranges = []
+        for records in (pinned, unpinned):
+            ratios = [_rows(r)[metric]["ratio"] for r in records]
+            ranges.append(_span(ratios, "{:.2f}") if None not in ratios else "–")
+        better = f"{row['ratio']:.2f}×" if row["ratio"] is not None else "–"
+        lines.append(f"| {metric} | {row['torch_text']} | {row['actorrpc_text']} | {better} "
+                     f"| {ranges[0]} | {ranges[1]} |")
+    rounds = ", ".join(
+        " / ".join(f"{ratio:.2f}" for ratio in r["round_ratios"][_AUTOGRAD]) + "×"
+        for r in pinned if r.get("round_ratios", {}).get(_AUTOGRAD)
+    )
+    probes = [p for r in (*pinned, *unpinned)
+              for p in (r["machine"]["python_probe_us_at_start"], r["python_probe_us_at_end"])]
+    torch_sync = [_rows(r)[_SYNC]["torch"] for r in pinned]
+    lines += [
+        "",
+        f"The pinned autograd iteration per round: {rounds}.",
+        f"Python probe {_span(probes, '{:.1f}', ' µs')}; torch's pinned rpc_sync "
+        f"{_span(torch_sync, '{:.0f}', ' µs')}; the floor "
+        f"{_span(floors[:len(pinned)], '{:.0f}', ' µs')} pinned, "
+        f"{_span(floors[len(pinned):], '{:.0f}', ' µs')} unpinned.",
+        f"Host: {pinned[middle]['machine']['cpu_model']}, "
+        f"{pinned[middle]['machine']['nproc']} CPUs; actorrpc build: "
+        f"{pinned[middle]['machine'].get('actorrpc_build', 'unknown')}.",
+    ]
+    return "\n".join(lines)
+
+
+def load(out: Path, tag: str, runs: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The campaign's records (a missing one is an error naming its path)."""
+    loaded: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    for mode in MODES:
+        for run in range(1, runs + 1):
+            path = record_path(out, mode, tag, run)
+            if not path.exists():
+                raise FileNotFoundError(f"no campaign record {path}")
+            loaded[mode].append(json.loads(path.read_text()))
+    return loaded["pinned"], loaded["unpinned"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tag", required=True, help="names the records, e.g. DATE-sessionN")
+    parser.add_argument("--runs", type=int, default=3, help="runs per mode (default 3)")
+    parser.add_argument("--out", type=Path, default=BENCHMARKS / "results")
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="only print the table of records already written")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    if not args.summarize_only:
+        if importlib.util.find_spec("matplotlib") is None:
+            print("[campaign] matplotlib is not installed: no charts (pip install matplotlib)",
+                  file=sys.stderr)
+        for mode, run, command in plan(args.runs, args.tag, args.out):
+            print(f"[campaign] {mode} run {run}: {' '.join(command[1:])}", flush=True)
+            done = subprocess.run(command, stdout=subprocess.DEVNULL, check=False)
+            if done.returncode != 0:
+                print(f"[campaign] {mode} run {run} failed (exit {done.returncode})",
+                      file=sys.stderr)
+                return 1
+    try:
+        pinned, unpinned = load(args.out, args.tag, args.runs)
+    except FileNotFoundError as exc:
+        print(f"campaign.py: {exc}", file=sys.stderr)
+        return 2
+    print(summarize(pinned, unpinned))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
