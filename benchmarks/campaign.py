@@ -1,18 +1,20 @@
 """A campaign: several full ``bench_rpc.py`` runs, pinned and unpinned interleaved, and
 the README's table of ranges over them.
 
-    python benchmarks/campaign.py --tag 2026-12-04-session36-compiled          # run + table
+    python benchmarks/campaign.py --tag DATE-sessionN                  # run, then the table
     python benchmarks/campaign.py --tag 2026-12-04-session36-compiled --summarize-only
 
 Each run is ``python benchmarks/bench_rpc.py [--pin split] --rounds 3 --wait-idle 180``
 (each starts once the 1-minute load average is under 0.5), in the order pinned run 1,
 unpinned run 1, pinned run 2, ... so that both modes meet the host's phases alike; the
-records are ``OUT/{pinned,unpinned}-TAG-run{k}.json`` with a chart beside each. The
-table shows the figures of the middle pinned run by rpc_sync ratio and, per metric, the
-range of the ratio over the pinned and the unpinned runs; below it, the pinned autograd
-ratio of each round, and the ranges of the Python probe, of torch's rpc_sync and of the
-pyzmq floor (host phases). Benchmark an installed or built copy, never while anything
-else runs (tests, another benchmark). Figures are in docs/performance.md.
+records are ``OUT/{pinned,unpinned}-TAG-run{k}.json`` with a chart beside each (a tag
+whose records exist is refused unless ``--force``). The table has the figures of the
+README's (which words some labels differently): those of the middle pinned run by
+rpc_sync ratio and, per metric, the range of the ratio over the pinned and the unpinned
+runs; below it, the pinned autograd ratio of each round, and the ranges of the Python
+probe, of torch's rpc_sync and of the pyzmq floor (host phases). Benchmark an installed
+or built copy, never while anything else runs (tests, another benchmark). Figures are in
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def _span(values: Sequence[float], fmt: str, unit: str = "×") -> str:
 
 
 def middle_run(records: Sequence[dict[str, Any]]) -> int:
-    """The index of the record whose rpc_sync ratio is the median one."""
+    """The index of the record whose rpc_sync ratio is the median one (of an even number
+    of records, the lower of the two middle ones)."""
     order = sorted(range(len(records)), key=lambda i: _rows(records[i])[_SYNC]["ratio"])
     return order[(len(order) - 1) // 2]
 
@@ -104,7 +107,7 @@ def summarize(pinned: Sequence[dict[str, Any]], unpinned: Sequence[dict[str, Any
     rounds = ", ".join(
         " / ".join(f"{ratio:.2f}" for ratio in r["round_ratios"][_AUTOGRAD]) + "×"
         for r in pinned if r.get("round_ratios", {}).get(_AUTOGRAD)
-    )
+    ) or "n/a (no per-round figures)"
     probes = [p for r in (*pinned, *unpinned)
               for p in (r["machine"]["python_probe_us_at_start"], r["python_probe_us_at_end"])]
     torch_sync = [_rows(r)[_SYNC]["torch"] for r in pinned]
@@ -115,11 +118,19 @@ def summarize(pinned: Sequence[dict[str, Any]], unpinned: Sequence[dict[str, Any
         f"{_span(torch_sync, '{:.0f}', ' µs')}; the floor "
         f"{_span(floors[:len(pinned)], '{:.0f}', ' µs')} pinned, "
         f"{_span(floors[len(pinned):], '{:.0f}', ' µs')} unpinned.",
-        f"Host: {pinned[middle]['machine']['cpu_model']}, "
-        f"{pinned[middle]['machine']['nproc']} CPUs; actorrpc build: "
-        f"{pinned[middle]['machine'].get('actorrpc_build', 'unknown')}.",
     ]
+    hosts = sorted({_host(r) for r in (*pinned, *unpinned)})
+    if len(hosts) == 1:
+        lines.append(f"Host: {hosts[0]}.")
+    else:  # records of different hosts or builds do not make one campaign
+        lines.append("WARNING: the records differ in host or build: " + "; ".join(hosts) + ".")
     return "\n".join(lines)
+
+
+def _host(record: dict[str, Any]) -> str:
+    machine = record["machine"]
+    return (f"{machine['cpu_model']}, {machine['nproc']} CPUs; actorrpc build: "
+            f"{machine.get('actorrpc_build', 'unknown')}")
 
 
 def load(out: Path, tag: str, runs: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -141,14 +152,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=BENCHMARKS / "results")
     parser.add_argument("--summarize-only", action="store_true",
                         help="only print the table of records already written")
+    parser.add_argument("--force", action="store_true",
+                        help="run even if records of this tag exist (they are overwritten)")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     if not args.summarize_only:
+        steps = plan(args.runs, args.tag, args.out)
+        existing = [argv[argv.index("--json") + 1] for _, _, argv in steps
+                    if Path(argv[argv.index("--json") + 1]).exists()]
+        if existing and not args.force:
+            print(f"campaign.py: records of tag {args.tag!r} exist ({existing[0]}, ...): "
+                  "choose another tag, --summarize-only, or --force", file=sys.stderr)
+            return 2
         if importlib.util.find_spec("matplotlib") is None:
             print("[campaign] matplotlib is not installed: no charts (pip install matplotlib)",
                   file=sys.stderr)
-        for mode, run, command in plan(args.runs, args.tag, args.out):
+        for mode, run, command in steps:
             print(f"[campaign] {mode} run {run}: {' '.join(command[1:])}", flush=True)
             done = subprocess.run(command, stdout=subprocess.DEVNULL, check=False)
             if done.returncode != 0:
@@ -160,7 +180,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"campaign.py: {exc}", file=sys.stderr)
         return 2
-    print(summarize(pinned, unpinned))
+    try:
+        print(summarize(pinned, unpinned))
+    except (KeyError, TypeError) as exc:  # a --quick or --no-floor run, another layout
+        print(f"campaign.py: a record of tag {args.tag!r} lacks a figure the table needs "
+              f"({exc!r}); records of full bench_rpc.py runs are expected", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,7 +1,10 @@
-"""benchmarks/campaign.py: the order of a campaign's runs and the README's table of ranges."""
+"""benchmarks/campaign.py: the order of a campaign's runs and the table of ranges."""
 
 from __future__ import annotations
 
+import copy
+import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,7 +40,7 @@ def test_runs_interleave_the_modes_and_only_pinned_runs_pin(campaign: Any, tmp_p
         assert argv[argv.index("--json") + 1] == str(tmp_path / f"{mode}-tag-run{run}.json")
 
 
-def test_summary_of_recorded_runs_matches_the_readme(campaign: Any) -> None:
+def test_summary_of_the_recorded_session36_runs(campaign: Any) -> None:
     pinned, unpinned = campaign.load(BENCHMARKS / "results", TAG, 3)
     assert campaign.middle_run(pinned) == 0  # rpc_sync ratios 8.03, 8.16, 7.85
     text = campaign.summarize(pinned, unpinned)
@@ -47,6 +50,12 @@ def test_summary_of_recorded_runs_matches_the_readme(campaign: Any) -> None:
         "rpc_sync ÷ pyzmq floor (107-160 µs) | 1.65× | 0.21× | – | 0.21-0.29× | 0.15-0.25×",
         "dist-autograd iteration, median (ms) | 0.99 | 0.56 | 1.78× | 1.66-2.24× | 1.86-2.48×",
         "idle worker RSS (MiB) | 253 | 229 | 1.10× | 1.10× | 1.10×",
+        "rpc_async pipelined (calls/s) | 9,803 | 70,931 | 7.24× | 4.61-7.40× | 6.75-13.83×",
+        "remote()+to_here(), median (µs) | 309 | 46.8 | 6.61× | 5.52-6.91× | 4.86-7.44×",
+        "tensor echo 1 MB (GB/s) | 2.70 | 8.91 | 3.30× | 2.49-3.98× | 1.20-3.13×",
+        "tensor echo 64 MB (GB/s) | 1.56 | 11.5 | 7.38× | 5.27-7.82× | 5.21-7.03×",
+        "RNN tutorial training step, median (ms) | 3.51 | 2.94 | 1.19× | 1.19-1.89× | 1.24-1.51×",
+        "init_rpc, max of 2 workers (s) | 0.06 | 0.01 | 5.43× | 4.92-6.37× | 4.88-7.22×",
     ]
     for row in rows:
         assert f"| {row} |" in text.splitlines()
@@ -63,3 +72,60 @@ def test_a_missing_record_is_named(campaign: Any, tmp_path: Path,
     assert f"no campaign record {tmp_path / 'pinned-none-run1.json'}" in capsys.readouterr().err
     with pytest.raises(ValueError, match="at least one pinned and one unpinned"):
         campaign.summarize([], [])
+
+
+def _with_sync_ratio(record: dict[str, Any], ratio: float) -> dict[str, Any]:
+    changed = copy.deepcopy(record)
+    for row in changed["table"]:
+        if row["metric"] == "rpc_sync latency, median (µs)":
+            row["ratio"] = ratio
+    return changed
+
+
+def test_the_middle_run_is_the_median_by_rpc_sync_ratio(campaign: Any) -> None:
+    record, _ = campaign.load(BENCHMARKS / "results", TAG, 1)
+    records = [_with_sync_ratio(record[0], r) for r in (7.85, 8.16, 8.03)]
+    assert campaign.middle_run(records) == 2
+    records = [_with_sync_ratio(record[0], r) for r in (9.0, 6.0, 8.0, 7.0)]
+    assert campaign.middle_run(records) == 3  # the lower of the two middle ones (7 and 8)
+    text = campaign.summarize(records, records)
+    assert "(the middle pinned run by rpc_sync: run 4 of 4)" in text
+    row = "| rpc_sync latency, median (µs) | 251 | 31.2 | 7.00× | 6.00-9.00× | 6.00-9.00× |"
+    assert row in text.splitlines()
+
+
+def test_records_of_another_host_or_without_figures_are_named(campaign: Any, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]
+                                                             ) -> None:
+    pinned, unpinned = campaign.load(BENCHMARKS / "results", TAG, 1)
+    other = copy.deepcopy(unpinned[0])
+    other["machine"]["cpu_model"] = "Intel Xeon"
+    assert "WARNING: the records differ in host or build" in campaign.summarize(pinned, [other])
+    broken = copy.deepcopy(pinned[0])
+    del broken["floor"]["rpc_sync"]  # a --no-floor run
+    for mode, record in (("pinned", broken), ("unpinned", unpinned[0])):
+        (tmp_path / f"{mode}-t-run1.json").write_text(json.dumps(record))
+    code = campaign.main(["--tag", "t", "--runs", "1", "--out", str(tmp_path), "--summarize-only"])
+    assert code == 2
+    assert "lacks a figure the table needs" in capsys.readouterr().err
+
+
+def test_existing_records_are_not_overwritten_and_a_failed_run_stops(
+    campaign: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ran: list[list[str]] = []
+
+    def failing_run(command: list[str], **_: Any) -> subprocess.CompletedProcess[bytes]:
+        ran.append(command)
+        return subprocess.CompletedProcess(command, 3)
+
+    monkeypatch.setattr(campaign.subprocess, "run", failing_run)
+    (tmp_path / "unpinned-t-run2.json").write_text("{}")
+    assert campaign.main(["--tag", "t", "--runs", "2", "--out", str(tmp_path)]) == 2
+    assert "records of tag 't' exist" in capsys.readouterr().err and not ran
+    assert campaign.main(["--tag", "t", "--runs", "2", "--out", str(tmp_path), "--force"]) == 1
+    assert len(ran) == 1 and "--pin" in ran[0]  # the first run failed: nothing after it
+    assert "pinned run 1 failed (exit 3)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        campaign.main(["--tag", "t", "--runs", "0"])
