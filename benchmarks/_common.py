@@ -42,6 +42,28 @@ def free_port() -> int:
     return free_ports("127.0.0.1", 1)[0]
 
 
+def run_worker_pair(worker: Callable[..., None], args: tuple[Any, ...], name: str,
+                    result_timeout: float) -> Any:
+    """Spawn ``worker(rank, *args, results)`` for ranks 0 and 1 (``MASTER_ADDR`` and
+    ``MASTER_PORT`` set to a free local port), return the first value put on ``results``
+    (``queue.Empty`` after ``result_timeout`` s: a hang) and wait at most 60 s for both to
+    exit (then kill them and raise ``TimeoutError`` naming ``name``)."""
+    import torch.multiprocessing as torch_mp  # (not at module level: see the docstring)
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+    results = torch_mp.get_context("spawn").Queue()
+    processes = torch_mp.start_processes(worker, args=(*args, results), nprocs=2, join=False,
+                                         start_method="spawn")
+    result = results.get(timeout=result_timeout)
+    deadline = time.monotonic() + 60
+    while not processes.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in processes.processes:
+                process.kill()
+            raise TimeoutError(f"{name}: the workers did not exit within 60 s")
+    return result
+
+
 def pin_process(rank: int, mode: str) -> list[int] | None:
     """``mode="split"``: pin this process (and threads it starts later) to one CPU.
 

@@ -22,13 +22,11 @@ here). Figures are in docs/performance.md.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 from typing import Any
 
-import torch.multiprocessing as mp
-from _common import ensure_repo_on_path, free_port, percentile, pin_process
+from _common import ensure_repo_on_path, free_port, percentile, pin_process, run_worker_pair
 
 ensure_repo_on_path()
 
@@ -91,21 +89,10 @@ def main() -> None:
             runs += [(name, float(value)) for value in args.backoff.split(",")]
         else:
             runs.append((name, 0.0))
-    context = mp.get_context("spawn")
     print(f"{'backend':24s} {'calls':>6s} {'median':>8s} {'p90':>8s} {'p99':>8s}")
     for name, backoff in runs:
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
-        results = context.Queue()
-        processes = mp.start_processes(
-            _worker, args=(name, backoff, free_port(), args.seconds, args.pin, results),
-            nprocs=2, join=False, start_method="spawn")
-        r = results.get(timeout=args.seconds + 120)  # (raises queue.Empty on a hang)
-        deadline = time.monotonic() + 60
-        while not processes.join(timeout=1):
-            if time.monotonic() > deadline:
-                for process in processes.processes:
-                    process.kill()
-                raise TimeoutError(f"{name}: the workers did not exit within 60 s")
+        r = run_worker_pair(_worker, (name, backoff, free_port(), args.seconds, args.pin), name,
+                            result_timeout=args.seconds + 120)
         label = f"{name} (back-off {backoff * 1e3:g} ms)" if backoff else name
         print(f"{label:24s} {r['n']:6d} {r['median_us']:6.0f}us {r['p90_us']:6.0f}us "
               f"{r['p99_us']:6.0f}us")

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
+import threading
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,7 +19,7 @@ import torch
 import actorrpc as rpc
 from actorrpc.agent import current_agent
 from actorrpc.errors import ProtocolError
-from actorrpc.transport import SharedMappings, SharedMemoryPool
+from actorrpc.transport import SharedMappings, SharedMemoryPool, _shared_memory
 from actorrpc.transport._shared_memory import MAX_FREE_BYTES, SHM_DIRECTORY, sweep_orphans
 from tests._waiting import wait_until
 
@@ -62,6 +66,62 @@ def test_export_map_release_reuse():
     finally:
         pool.close()
     assert not _segment_exists(name)
+
+
+def _other_thread_ran_during(action: Callable[[], object]) -> bool:
+    """Whether another thread ran Python code while ``action`` ran. The interpreter's
+    switch interval is set far beyond the action, so the thread that holds the GIL keeps
+    it until it releases it itself: another thread runs only if the action releases it."""
+    ticks: list[float] = []
+    ticking, stop = threading.Event(), threading.Event()
+
+    def ticker() -> None:
+        ticking.set()
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(1e-5)  # (releases the GIL)
+
+    interval = sys.getswitchinterval()
+    thread = threading.Thread(target=ticker, daemon=True)
+    thread.start()
+    assert ticking.wait(10)
+    sys.setswitchinterval(30.0)
+    try:
+        begin = time.perf_counter()
+        action()
+        end = time.perf_counter()
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        thread.join(10)
+    return any(begin < tick < end for tick in ticks)
+
+
+def test_a_large_copy_into_a_segment_lets_other_threads_run(monkeypatch):
+    pool = SharedMemoryPool()
+    try:
+        buffer = memoryview(torch.rand(16 << 20).numpy()).cast("B")  # 64 MiB: ~10 ms a copy
+        assert buffer.nbytes >= _shared_memory.RELEASE_GIL_FROM
+
+        def export_again() -> None:  # (into the segment made before: only the copy)
+            _, name = pool.export(buffer, borrower=1)
+            pool.release([name], borrower=1)
+
+        export_again()
+        assert any(_other_thread_ran_during(export_again) for _ in range(3))
+        descriptor, name = pool.export(buffer, borrower=1)  # what the copy wrote
+        mappings = SharedMappings()
+        array = mappings.map(descriptor, 1, lambda _: None)
+        assert bytes(array[:4096]) == bytes(buffer[:4096])
+        assert bytes(array[-4096:]) == bytes(buffer[-4096:])
+        del array
+        mappings.close()
+        pool.release([name], borrower=1)
+        # the control: the same copy keeping the GIL (a smaller one's way) lets nobody run
+        monkeypatch.setattr(_shared_memory, "RELEASE_GIL_FROM", 1 << 40)
+        assert not _other_thread_ran_during(export_again)
+    finally:
+        pool.close()
 
 
 def test_segments_of_a_gone_peer_are_dropped_not_reused():
