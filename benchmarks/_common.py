@@ -46,15 +46,21 @@ def run_worker_pair(worker: Callable[..., None], args: tuple[Any, ...], name: st
                     result_timeout: float) -> Any:
     """Spawn ``worker(rank, *args, results)`` for ranks 0 and 1 (``MASTER_ADDR`` and
     ``MASTER_PORT`` set to a free local port), return the first value put on ``results``
-    (``queue.Empty`` after ``result_timeout`` s: a hang) and wait at most 60 s for both to
-    exit (then kill them and raise ``TimeoutError`` naming ``name``)."""
+    (``queue.Empty`` after ``result_timeout`` s: a hang; the workers are killed) and wait
+    at most 60 s for both to exit (then kill them and raise ``TimeoutError`` naming
+    ``name``)."""
     import torch.multiprocessing as torch_mp  # (not at module level: see the docstring)
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
     results = torch_mp.get_context("spawn").Queue()
     processes = torch_mp.start_processes(worker, args=(*args, results), nprocs=2, join=False,
                                          start_method="spawn")
-    result = results.get(timeout=result_timeout)
+    try:
+        result = results.get(timeout=result_timeout)
+    except BaseException:  # a hang or an interrupt: no workers left behind
+        for process in processes.processes:
+            process.kill()
+        raise
     deadline = time.monotonic() + 60
     while not processes.join(timeout=1):
         if time.monotonic() > deadline:

@@ -159,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--runs must be at least 1")
     if not args.summarize_only:
         steps = plan(args.runs, args.tag, args.out)
-        existing = [argv[argv.index("--json") + 1] for _, _, argv in steps
-                    if Path(argv[argv.index("--json") + 1]).exists()]
+        existing = [path for mode, run, _ in steps
+                    if (path := record_path(args.out, mode, args.tag, run)).exists()]
         if existing and not args.force:
             print(f"campaign.py: records of tag {args.tag!r} exist ({existing[0]}, ...): "
                   "choose another tag, --summarize-only, or --force", file=sys.stderr)
