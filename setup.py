@@ -9,6 +9,10 @@ top-level ``cli/`` folder, which is installed as ``actorrpc.cli`` through the
 must be present. Without it the package is pure Python, as before. Which build a process
 runs is reported by ``actorrpc.compiled_modules()``; the rules compiled code
 keeps are in ``actorrpc/_compiled.py``'s docstring.
+
+Every build also tries one small C extension, ``actorrpc.transport._streaming_copy``
+(a copy into shared memory with streaming stores); it is optional: where it cannot be
+built, installing goes on without it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 packages = find_packages(include=["actorrpc", "actorrpc.*"], exclude=["actorrpc.cli*"])
 packages += ["actorrpc.cli" + name[len("cli"):] for name in find_packages(include=["cli", "cli.*"])]
@@ -82,8 +86,16 @@ def _compiled_extensions() -> list:  # type: ignore[type-arg]
     return mypycify(options + COMPILED_MODULES, opt_level="3")
 
 
+# Always attempted, never required: without a C compiler the package installs without it
+# and fills shared-memory segments with the plain copy alone (transport/_segment_copy.py).
+STREAMING_COPY = Extension(
+    "actorrpc.transport._streaming_copy",
+    ["actorrpc/transport/_streaming_copy.c"],
+    optional=True,
+)
+
 setup(
     packages=packages,
-    ext_modules=_compiled_extensions(),
+    ext_modules=[STREAMING_COPY, *_compiled_extensions()],
     setup_requires=[MYPY_FOR_COMPILING] if _compile_requested() else [],
 )

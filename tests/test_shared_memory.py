@@ -9,9 +9,6 @@ from __future__ import annotations
 import gc
 import os
 import sys
-import threading
-import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,7 +17,14 @@ import actorrpc as rpc
 from actorrpc.agent import current_agent
 from actorrpc.errors import ProtocolError
 from actorrpc.transport import SharedMappings, SharedMemoryPool, _shared_memory
+from actorrpc.transport._segment_copy import (
+    FIRST_INTERVAL,
+    PLAIN,
+    STREAMING,
+    streaming_copy_available,
+)
 from actorrpc.transport._shared_memory import MAX_FREE_BYTES, SHM_DIRECTORY, sweep_orphans
+from tests._gil import other_thread_ran_during
 from tests._waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -68,35 +72,6 @@ def test_export_map_release_reuse():
     assert not _segment_exists(name)
 
 
-def _other_thread_ran_during(action: Callable[[], object]) -> bool:
-    """Whether another thread ran Python code while ``action`` ran. The interpreter's
-    switch interval is set far beyond the action, so the thread that holds the GIL keeps
-    it until it releases it itself: another thread runs only if the action releases it."""
-    ticks: list[float] = []
-    ticking, stop = threading.Event(), threading.Event()
-
-    def ticker() -> None:
-        ticking.set()
-        while not stop.is_set():
-            ticks.append(time.perf_counter())
-            time.sleep(1e-5)  # (releases the GIL)
-
-    interval = sys.getswitchinterval()
-    thread = threading.Thread(target=ticker, daemon=True)
-    thread.start()
-    assert ticking.wait(10)
-    sys.setswitchinterval(30.0)
-    try:
-        begin = time.perf_counter()
-        action()
-        end = time.perf_counter()
-    finally:
-        sys.setswitchinterval(interval)
-        stop.set()
-        thread.join(10)
-    return any(begin < tick < end for tick in ticks)
-
-
 def test_a_large_copy_into_a_segment_lets_other_threads_run(monkeypatch):
     pool = SharedMemoryPool()
     try:
@@ -108,7 +83,7 @@ def test_a_large_copy_into_a_segment_lets_other_threads_run(monkeypatch):
             pool.release([name], borrower=1)
 
         export_again()
-        assert any(_other_thread_ran_during(export_again) for _ in range(3))
+        assert any(other_thread_ran_during(export_again) for _ in range(3))
         descriptor, name = pool.export(buffer, borrower=1)  # what the copy wrote
         mappings = SharedMappings()
         array = mappings.map(descriptor, 1, lambda _: None)
@@ -119,7 +94,7 @@ def test_a_large_copy_into_a_segment_lets_other_threads_run(monkeypatch):
         pool.release([name], borrower=1)
         # the control: the same copy keeping the GIL (a smaller one's way) lets nobody run
         monkeypatch.setattr(_shared_memory, "RELEASE_GIL_FROM", 1 << 40)
-        assert not _other_thread_ran_during(export_again)
+        assert not other_thread_ran_during(export_again)
     finally:
         pool.close()
 
@@ -228,7 +203,6 @@ def test_descriptor_larger_than_its_segment_is_refused():
 
 def test_segments_of_dead_processes_are_swept():
     import subprocess
-    import sys
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
@@ -379,4 +353,51 @@ def test_releases_ride_on_the_next_message_instead_of_their_own(cluster):
     # 8 of 20 rode in a run on a loaded 2-core host)
     assert carried >= 5, carried
     assert sent_after - sent_before <= 10
+    assert wait_until(lambda: _all_returned("worker1"), 10), f"lent (here, there): {_last_pools}"
+
+
+def force_copies(method: str | None) -> None:
+    from actorrpc.transport import _segment_copy
+
+    _segment_copy.FORCED_METHOD = method
+
+
+def _copies_described(worker: str) -> dict[str, object]:
+    described = rpc.get_worker_stats(worker)["segment_copies"]
+    return {key: value for key, value in described.items() if key.startswith("<=")}
+
+
+@pytest.mark.skipif(not streaming_copy_available(), reason="the streaming copy is not built here")
+@pytest.mark.parametrize("method", [STREAMING, PLAIN])
+def test_either_copy_carries_tensors_exactly(cluster, method):
+    """Both workers fill their segments with one method only; odd byte counts too."""
+    tensors = [torch.randn(BIG), torch.randn(BIG + 3, dtype=torch.float16),
+               torch.randint(0, 255, ((1 << 20) + 1,), dtype=torch.uint8)]  # 1 MiB + 1 byte
+    force_copies(method)
+    rpc.rpc_sync("worker1", force_copies, args=(method,))
+    try:
+        for tensor in tensors:
+            for _ in range(2):  # (the second time through reused segments)
+                assert torch.equal(rpc.rpc_sync("worker1", torch.clone, args=(tensor,)), tensor)
+        figure = f"{method}_us_per_mib"
+        for worker in ("worker0", "worker1"):  # each side measured the copies it made
+            classes = _copies_described(worker)
+            assert any(c[figure] is not None for c in classes.values()), (worker, classes)
+    finally:
+        force_copies(None)
+        rpc.rpc_sync("worker1", force_copies, args=(None,))
+    assert wait_until(lambda: _all_returned("worker1"), 10), f"lent (here, there): {_last_pools}"
+
+
+@pytest.mark.skipif(not streaming_copy_available(), reason="the streaming copy is not built here")
+def test_a_worker_measures_both_copies_and_reports_its_choice(cluster):
+    data = torch.randn((12 << 20) // 4)  # 12 MiB: a size class no other test uses
+    for _ in range(FIRST_INTERVAL + 1):  # the first try of streaming comes by then
+        assert torch.equal(rpc.rpc_sync("worker1", torch.clone, args=(data,)), data)
+    stats = rpc.get_worker_stats()["segment_copies"]
+    assert stats["streaming_available"] is True
+    size_class = stats[f"<={16 << 20} bytes"]
+    assert size_class["plain_us_per_mib"] > 0 and size_class["streaming_us_per_mib"] > 0
+    assert size_class["chosen"] in (PLAIN, STREAMING) and size_class["tries"] >= 1
+    del data
     assert wait_until(lambda: _all_returned("worker1"), 10), f"lent (here, there): {_last_pools}"

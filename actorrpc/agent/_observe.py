@@ -175,6 +175,8 @@ def worker_snapshot(agent: Agent) -> dict[str, Any]:
         "pool_queued": agent._pool.queued(),
         "dead_peers": sorted(names.get(r, str(r)) for r in agent.liveness.dead_peers),
         "shared_memory": {**agent.shared.pool.describe(), **agent.shared.mappings.describe()},
+        # how segments were filled, per size class: plain copy or streaming stores
+        "segment_copies": agent.shared.pool.filler.describe(),
         "inbox_turns": agent.inbox.turns,  # waits that received their own reply
         "inbox_stays": agent.inbox.stays,  # replies that waited for the I/O thread
         "serving_turns": agent.inbox.serving_turns,  # pool threads receiving the next request

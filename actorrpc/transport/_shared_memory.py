@@ -1,7 +1,7 @@
 """Shared memory for large buffers between workers on one host.
 
 A buffer of at least the threshold, going to a peer on this host, is copied
-once into a segment of the sender's pool (POSIX shared memory under
+once (:mod:`._segment_copy`) into a segment of the sender's pool (POSIX shared memory under
 ``/dev/shm``, mode 0600, mapped and pre-faulted once and then reused) instead
 of being pushed through the socket; the message carries a small descriptor in
 its place. The receiver maps the segment (once: its mappings stay open for the
@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ProtocolError
+from ._segment_copy import SegmentFiller
 
 __all__ = [
     "MAX_FREE_BYTES",
@@ -65,7 +66,8 @@ MAX_FREE_BYTES = 1 << 30
 MAX_MAPPED_BYTES = 256 << 20  # a receiver's cached mappings of its peers' segments
 # Copies into a segment of at least this many bytes run without the GIL (a 64 MiB one
 # takes ~10 ms, during which the worker's I/O thread could otherwise neither receive nor
-# answer); smaller ones keep it (releasing it costs ~3 µs, 10 % of a 1 MiB copy).
+# answer); smaller ones keep it (releasing it costs ~3 µs, 10 % of a 1 MiB copy). How a
+# segment is filled (a plain copy or streaming stores): ``_segment_copy``.
 RELEASE_GIL_FROM = 4 << 20
 _NAME = re.compile(r"actorrpc-([0-9a-f]{1,8})-[0-9a-f]{24}")
 _SIZE = struct.Struct("!Q")
@@ -130,6 +132,7 @@ class SharedMemoryPool:
         self._lent: dict[str, _Segment] = {}
         self._free_bytes = 0
         self._closed = False
+        self.filler = SegmentFiller()  # the copy into a segment, and its measurements
 
     def _create(self, size: int) -> _Segment:
         name, mapping = create_segment(size)
@@ -149,13 +152,8 @@ class SharedMemoryPool:
                 self._free_bytes -= size
         if segment is None:
             segment = self._create(size)
-        try:
-            if nbytes >= RELEASE_GIL_FROM:  # numpy copies without the GIL: this process's
-                # other threads (its I/O thread, other calls) run during a long copy
-                np.copyto(np.frombuffer(segment.mapping, np.uint8, nbytes),
-                          np.frombuffer(view, np.uint8))
-            else:  # (~3 µs less than the arrays and the GIL's hand-offs)
-                segment.mapping[:nbytes] = view
+        try:  # (a long copy without the GIL: the I/O thread, other calls run meanwhile)
+            self.filler.fill(segment.mapping, view, nbytes >= RELEASE_GIL_FROM)
         except BaseException:
             self._give_back(segment)
             raise

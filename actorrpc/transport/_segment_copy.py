@@ -1,0 +1,196 @@
+"""Filling a shared-memory segment: a plain copy or streaming stores, whichever is faster.
+
+A sender copies each large buffer into a segment of its pool (``_shared_memory``); the
+receiver reads it there. On some hosts that copy is, for whole sessions, up to ten
+times slower than a copy into memory nobody else reads: a plain copy writes through
+the cache, so each line the receiver's core still holds from the segment's last use must
+first be taken back from it, and where the two cores share no cache (two vCPUs on
+different core complexes of an AMD host, a placement the guest cannot see) that costs
+~25 ns a line: 1 MiB took 330-540 µs against 26-40. Streaming (non-temporal) stores
+write around the cache and take 43-51 µs a MiB there, in either kind of session.
+Neither is best everywhere, so :class:`SegmentFiller` measures both.
+
+Invariants of the choice, per size class (a power of two of bytes):
+
+* Each copy is timed; a method's figure is the least time per byte of its last
+  :data:`SAMPLES` copies (a least figure: a copy can only be slowed, by preemption,
+  say, never sped up).
+* The method with the lower figure is used; the plain copy until streaming has a
+  figure. The other one is tried once every ``interval`` copies: ``interval`` starts
+  at :data:`FIRST_INTERVAL`, doubles (up to :data:`LONGEST_INTERVAL`) each time a
+  try leaves the choice as it was, and starts over when the choice changes. A
+  session's kind lasts, so once settled the other method costs a thousandth of the
+  copies; a change of kind is found within a few of the longest intervals (the method
+  in use, timed on every copy, is given up within :data:`SAMPLES` copies of turning
+  slower than the other's last figure).
+* Either method writes every byte before it returns; the streaming one ends with a
+  store fence, so a receiver that gets the segment's name from a later message sees
+  them (x86-64 orders stores after a fence).
+
+Without the C extension (no compiler at install time, not x86-64) only the plain copy is
+used and nothing is measured.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+
+def _load_extension() -> Any:
+    try:
+        return importlib.import_module(f"{__package__}._streaming_copy")
+    except ImportError:  # (no compiler at install time): the plain copy alone
+        return None
+
+
+_streaming_copy = _load_extension()
+
+__all__ = [
+    "FIRST_INTERVAL",
+    "FORCED_METHOD",
+    "LONGEST_INTERVAL",
+    "PLAIN",
+    "SAMPLES",
+    "STREAMING",
+    "SegmentFiller",
+    "plain_copy",
+    "streaming_copy_available",
+]
+
+PLAIN = "plain"
+STREAMING = "streaming"
+FORCED_METHOD: str | None = None  # PLAIN or STREAMING: used always (benchmarks and tests)
+SAMPLES = 3
+FIRST_INTERVAL = 8
+LONGEST_INTERVAL = 1024
+
+CopyFunction = Callable[[Any, memoryview, bool], None]
+
+
+def streaming_copy_available() -> bool:
+    """Whether this build has the streaming copy (its C extension, on an x86-64 CPU)."""
+    return _streaming_copy is not None and bool(_streaming_copy.STREAMING_STORES)
+
+
+def plain_copy(destination: Any, source: memoryview, release_gil: bool) -> None:
+    """``source`` into the start of ``destination`` through the cache (glibc's memcpy)."""
+    nbytes = source.nbytes
+    if release_gil:  # numpy copies without the GIL: the process's other threads run
+        np.copyto(np.frombuffer(destination, np.uint8, nbytes), np.frombuffer(source, np.uint8))
+    else:  # (~3 µs less than the arrays and the GIL's hand-offs)
+        destination[:nbytes] = source
+
+
+def _streaming(destination: Any, source: memoryview, release_gil: bool) -> None:
+    _streaming_copy.copy(destination, source, release_gil)
+
+
+# the streaming copy a filler uses unless told otherwise (None: not built here)
+_DEFAULT_STREAMING: CopyFunction | None = _streaming if streaming_copy_available() else None
+
+
+class _SizeClass:
+    """The measurements and the choice for copies of one size class."""
+
+    def __init__(self) -> None:
+        self.chosen = PLAIN
+        self.samples: dict[str, list[float]] = {PLAIN: [], STREAMING: []}
+        self.copies = 0  # copies since the last try of the other method
+        self.interval = FIRST_INTERVAL
+        self.tries = 0
+        self.changes = 0
+
+    def figure(self, method: str) -> float | None:
+        samples = self.samples[method]
+        return min(samples) if samples else None
+
+    def method_for_next(self) -> str:
+        self.copies += 1
+        if self.copies >= self.interval:
+            self.copies = 0
+            self.tries += 1
+            return STREAMING if self.chosen == PLAIN else PLAIN
+        return self.chosen
+
+    def record(self, method: str, seconds_per_byte: float) -> None:
+        samples = self.samples[method]
+        samples.append(seconds_per_byte)
+        if len(samples) > SAMPLES:
+            del samples[0]
+        plain, streaming = self.figure(PLAIN), self.figure(STREAMING)
+        best = STREAMING if (
+            plain is not None and streaming is not None and streaming < plain
+        ) else PLAIN
+        if best != self.chosen:
+            self.chosen = best
+            self.changes += 1
+            self.interval = FIRST_INTERVAL
+            self.copies = 0
+        elif method != self.chosen:  # a try that confirmed the choice
+            self.interval = min(self.interval * 2, LONGEST_INTERVAL)
+
+
+class SegmentFiller:
+    """Copies buffers into segments with whichever method measures faster (see above).
+
+    ``streaming`` and ``clock`` are for tests: the streaming copy (None: only the plain
+    copy) and the timer.
+    """
+
+    def __init__(
+        self,
+        streaming: CopyFunction | None = _DEFAULT_STREAMING,
+        clock: Callable[[], float] = time.perf_counter,
+        plain: CopyFunction = plain_copy,
+    ) -> None:
+        self._methods = {PLAIN: plain, STREAMING: streaming}
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._classes: dict[int, _SizeClass] = {}
+
+    def fill(self, destination: Any, source: memoryview, release_gil: bool) -> None:
+        """Copy all of ``source`` (bytes) into the start of ``destination``."""
+        nbytes = source.nbytes
+        if self._methods[STREAMING] is None or not nbytes:
+            self._methods[PLAIN](destination, source, release_gil)  # type: ignore[misc]
+            return
+        key = (nbytes - 1).bit_length()
+        with self._lock:
+            size_class = self._classes.get(key)
+            if size_class is None:
+                size_class = self._classes[key] = _SizeClass()
+            method = size_class.method_for_next()
+            if FORCED_METHOD is not None:
+                method = FORCED_METHOD
+        copy = self._methods[method]
+        clock = self._clock
+        began = clock()
+        copy(destination, source, release_gil)  # type: ignore[misc]
+        elapsed = clock() - began
+        with self._lock:
+            size_class.record(method, elapsed / nbytes)
+
+    def describe(self) -> dict[str, Any]:
+        """Per size class (``"<=N bytes"``): the method in use, each method's figure (µs
+        per MiB), the tries of the other method and the changes of choice."""
+        out: dict[str, Any] = {"streaming_available": self._methods[STREAMING] is not None}
+        with self._lock:
+            for key in sorted(self._classes):
+                size_class = self._classes[key]
+                figures = {}
+                for method in (PLAIN, STREAMING):
+                    figure = size_class.figure(method)
+                    figures[f"{method}_us_per_mib"] = (
+                        None if figure is None else round(figure * 1e6 * (1 << 20), 1)
+                    )
+                out[f"<={1 << key} bytes"] = {
+                    "chosen": size_class.chosen, **figures,
+                    "tries": size_class.tries, "changes": size_class.changes,
+                }
+        return out
