@@ -20,6 +20,7 @@ from actorrpc.transport._segment_copy import (
     PLAIN,
     SAMPLES,
     STREAMING,
+    STREAMING_HANDICAP,
     SegmentFiller,
     plain_copy,
     streaming_copy_available,
@@ -133,6 +134,19 @@ def test_plain_copies_stay_while_faster_and_the_tries_of_streaming_grow_apart():
     described = filler.describe()[f"<={MIB} bytes"]
     assert described["chosen"] == PLAIN and described["changes"] == 0
     assert described["plain_us_per_mib"] == pytest.approx(1e6 * MIB)
+
+
+def test_plain_copies_stay_unless_streaming_is_faster_by_its_handicap():
+    """Streamed bytes cost the receiver more: a plain copy somewhat slower still wins."""
+    host = _Host(plain_cost=0.9 * STREAMING_HANDICAP, streaming_cost=1.0)
+    filler = host.filler()
+    _fill(filler, 500)
+    described = filler.describe()[f"<={MIB} bytes"]
+    assert described["chosen"] == PLAIN and described["changes"] == 0
+    assert described["streaming_us_per_mib"] is not None  # tried, and not taken
+    host.cost[PLAIN] = 1.1 * STREAMING_HANDICAP
+    _fill(filler, SAMPLES)
+    assert filler.describe()[f"<={MIB} bytes"]["chosen"] == STREAMING
 
 
 def test_streaming_takes_over_at_its_first_try_when_plain_copies_are_slow():

@@ -7,7 +7,8 @@ the cache, so each line the receiver's core still holds from the segment's last 
 first be taken back from it, and where the two cores share no cache (two vCPUs on
 different core complexes of an AMD host, a placement the guest cannot see) that costs
 ~25 ns a line: 1 MiB took 330-540 µs against 26-40. Streaming (non-temporal) stores
-write around the cache and take 43-51 µs a MiB there, in either kind of session.
+write around the cache and take 40-50 µs a MiB there, in either kind of session, but
+leave the bytes in memory, where the receiver's read costs more than from a cache.
 Neither is best everywhere, so :class:`SegmentFiller` measures both.
 
 Invariants of the choice, per size class (a power of two of bytes):
@@ -15,14 +16,16 @@ Invariants of the choice, per size class (a power of two of bytes):
 * Each copy is timed; a method's figure is the least time per byte of its last
   :data:`SAMPLES` copies (a least figure: a copy can only be slowed, by preemption,
   say, never sped up).
-* The method with the lower figure is used; the plain copy until streaming has a
-  figure. The other one is tried once every ``interval`` copies: ``interval`` starts
+* The plain copy is used unless streaming's figure is lower than its own by the
+  factor :data:`STREAMING_HANDICAP` (the receiver reads streamed bytes from memory, a
+  cost the copy's time does not show), and until streaming has a figure.
+* The method not in use is tried once every ``interval`` copies: ``interval`` starts
   at :data:`FIRST_INTERVAL`, doubles (up to :data:`LONGEST_INTERVAL`) each time a
   try leaves the choice as it was, and starts over when the choice changes. A
   session's kind lasts, so once settled the other method costs a thousandth of the
   copies; a change of kind is found within a few of the longest intervals (the method
-  in use, timed on every copy, is given up within :data:`SAMPLES` copies of turning
-  slower than the other's last figure).
+  in use, timed on every copy, is given up within :data:`SAMPLES` copies of its figure
+  crossing the other's).
 * Either method writes every byte before it returns; the streaming one ends with a
   store fence, so a receiver that gets the segment's name from a later message sees
   them (x86-64 orders stores after a fence).
@@ -58,6 +61,7 @@ __all__ = [
     "PLAIN",
     "SAMPLES",
     "STREAMING",
+    "STREAMING_HANDICAP",
     "SegmentFiller",
     "plain_copy",
     "streaming_copy_available",
@@ -67,6 +71,12 @@ PLAIN = "plain"
 STREAMING = "streaming"
 FORCED_METHOD: str | None = None  # PLAIN or STREAMING: used always (benchmarks and tests)
 SAMPLES = 3
+# Streaming stores leave the bytes in memory, not in this core's cache: the receiver's
+# read of them costs more too, which the copy's own time does not show (a 1 MiB echo
+# whose both copies streamed took 285-414 µs in sessions where plain ones took 190-250,
+# the copies themselves 45 against 25). Streaming is chosen only when its figure is less
+# than the plain copy's by this factor (slow sessions' plain copies: 8-12 times).
+STREAMING_HANDICAP = 3.0
 FIRST_INTERVAL = 8
 LONGEST_INTERVAL = 1024
 
@@ -125,7 +135,7 @@ class _SizeClass:
             del samples[0]
         plain, streaming = self.figure(PLAIN), self.figure(STREAMING)
         best = STREAMING if (
-            plain is not None and streaming is not None and streaming < plain
+            plain is not None and streaming is not None and streaming * STREAMING_HANDICAP < plain
         ) else PLAIN
         if best != self.chosen:
             self.chosen = best
