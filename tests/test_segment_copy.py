@@ -16,6 +16,7 @@ import pytest
 from actorrpc.transport import _segment_copy
 from actorrpc.transport._segment_copy import (
     FIRST_INTERVAL,
+    HANDICAP_UP_TO,
     LONGEST_INTERVAL,
     PLAIN,
     SAMPLES,
@@ -188,6 +189,17 @@ def test_a_slowed_copy_does_not_change_the_choice():
     _fill(filler, 5)
     described = filler.describe()[f"<={MIB} bytes"]
     assert described["chosen"] == PLAIN and described["changes"] == 0
+
+
+def test_large_copies_choose_streaming_when_it_is_faster_at_all():
+    """Beyond HANDICAP_UP_TO the bytes leave the caches either way: no handicap."""
+    host = _Host(plain_cost=1.5, streaming_cost=1.0)
+    filler = host.filler()
+    _fill(filler, 20, nbytes=HANDICAP_UP_TO)
+    _fill(filler, 20, nbytes=2 * HANDICAP_UP_TO)
+    described = filler.describe()
+    assert described[f"<={HANDICAP_UP_TO} bytes"]["chosen"] == PLAIN
+    assert described[f"<={2 * HANDICAP_UP_TO} bytes"]["chosen"] == STREAMING
 
 
 def test_size_classes_choose_apart():
