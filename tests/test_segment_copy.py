@@ -24,6 +24,7 @@ from actorrpc.transport._segment_copy import (
     STREAMING_HANDICAP,
     SegmentFiller,
     plain_copy,
+    size_class,
     streaming_copy_available,
 )
 from tests._gil import other_thread_ran_during
@@ -119,6 +120,11 @@ def _fill(filler: SegmentFiller, copies: int, nbytes: int = MIB) -> None:
         filler.fill(None, source, False)
 
 
+def _described(filler: SegmentFiller, nbytes: int = MIB) -> dict[str, Any]:
+    """What ``filler`` reports of the size class of copies of ``nbytes``."""
+    return filler.describe()[f"<={size_class(nbytes)} bytes"]
+
+
 def _tries_at(used: list[str], method: str) -> list[int]:
     return [i for i, m in enumerate(used) if m == method]
 
@@ -132,7 +138,7 @@ def test_plain_copies_stay_while_faster_and_the_tries_of_streaming_grow_apart():
     assert tries[0] == FIRST_INTERVAL - 1  # the first try, then ever longer intervals
     assert gaps == sorted(gaps) and gaps[-1] == LONGEST_INTERVAL
     assert len(tries) < 3000 // 200
-    described = filler.describe()[f"<={MIB} bytes"]
+    described = _described(filler)
     assert described["chosen"] == PLAIN and described["changes"] == 0
     assert described["plain_us_per_mib"] == pytest.approx(1e6 * MIB)
 
@@ -142,12 +148,12 @@ def test_plain_copies_stay_unless_streaming_is_faster_by_its_handicap():
     host = _Host(plain_cost=0.9 * STREAMING_HANDICAP, streaming_cost=1.0)
     filler = host.filler()
     _fill(filler, 500)
-    described = filler.describe()[f"<={MIB} bytes"]
+    described = _described(filler)
     assert described["chosen"] == PLAIN and described["changes"] == 0
     assert described["streaming_us_per_mib"] is not None  # tried, and not taken
     host.cost[PLAIN] = 1.1 * STREAMING_HANDICAP
     _fill(filler, SAMPLES)
-    assert filler.describe()[f"<={MIB} bytes"]["chosen"] == STREAMING
+    assert _described(filler)["chosen"] == STREAMING
 
 
 def test_streaming_takes_over_at_its_first_try_when_plain_copies_are_slow():
@@ -157,7 +163,7 @@ def test_streaming_takes_over_at_its_first_try_when_plain_copies_are_slow():
     assert host.used[:FIRST_INTERVAL] == [PLAIN] * (FIRST_INTERVAL - 1) + [STREAMING]
     plain_tries = _tries_at(host.used[FIRST_INTERVAL:], PLAIN)
     assert 0 < len(plain_tries) < 12  # the plain copy is tried again, rarely
-    assert filler.describe()[f"<={MIB} bytes"]["chosen"] == STREAMING
+    assert _described(filler)["chosen"] == STREAMING
 
 
 def test_the_choice_follows_a_change_of_session_kind():
@@ -175,7 +181,7 @@ def test_the_choice_follows_a_change_of_session_kind():
     first_plain = _tries_at(host.used[start:], PLAIN)[0]
     assert host.used[start + first_plain + 1:].count(STREAMING) <= (
         len(host.used[start + first_plain + 1:]) // FIRST_INTERVAL + 1)
-    assert filler.describe()[f"<={MIB} bytes"]["chosen"] == PLAIN
+    assert _described(filler)["chosen"] == PLAIN
 
 
 def test_a_slowed_copy_does_not_change_the_choice():
@@ -187,7 +193,7 @@ def test_a_slowed_copy_does_not_change_the_choice():
     _fill(filler, 1)
     host.cost[PLAIN] = 1.0
     _fill(filler, 5)
-    described = filler.describe()[f"<={MIB} bytes"]
+    described = _described(filler)
     assert described["chosen"] == PLAIN and described["changes"] == 0
 
 
@@ -195,22 +201,21 @@ def test_large_copies_choose_streaming_when_it_is_faster_at_all():
     """Beyond HANDICAP_UP_TO the bytes leave the caches either way: no handicap."""
     host = _Host(plain_cost=1.5, streaming_cost=1.0)
     filler = host.filler()
-    _fill(filler, 20, nbytes=HANDICAP_UP_TO)
-    _fill(filler, 20, nbytes=2 * HANDICAP_UP_TO)
-    described = filler.describe()
-    assert described[f"<={HANDICAP_UP_TO} bytes"]["chosen"] == PLAIN
-    assert described[f"<={2 * HANDICAP_UP_TO} bytes"]["chosen"] == STREAMING
+    for nbytes in (HANDICAP_UP_TO, HANDICAP_UP_TO + 1):
+        _fill(filler, 20, nbytes)
+    assert _described(filler, HANDICAP_UP_TO)["chosen"] == PLAIN
+    assert _described(filler, HANDICAP_UP_TO + 1)["chosen"] == STREAMING
 
 
-def test_size_classes_choose_apart():
+def test_size_classes_are_powers_of_two_and_choose_apart():
+    assert [size_class(n) for n in (0, 1, 2, 3, MIB, MIB + 1)] == [1, 1, 2, 4, MIB, 2 * MIB]
     host = _Host(plain_cost=1.0, streaming_cost=2.0)
     filler = host.filler()
     _fill(filler, 20, nbytes=MIB)
-    host.cost = {PLAIN: 10.0, STREAMING: 1.0}
+    host.cost = {PLAIN: 10.0, STREAMING: 1.0}  # (other sizes, another kind of session)
     _fill(filler, 20, nbytes=64 * MIB)
-    described = filler.describe()
-    assert described[f"<={MIB} bytes"]["chosen"] == PLAIN
-    assert described[f"<={64 * MIB} bytes"]["chosen"] == STREAMING
+    assert _described(filler, MIB)["chosen"] == PLAIN
+    assert _described(filler, 64 * MIB)["chosen"] == STREAMING
 
 
 def test_without_the_streaming_copy_only_the_plain_one_runs_unmeasured():

@@ -1,7 +1,7 @@
 """Same-host shared memory for large tensors: the pool, the mapping, and real calls.
 
 The session group's workers all live on 127.0.0.1, so tensors of at least the
-threshold (4 MiB by default) travel through pooled /dev/shm segments there.
+threshold (1 MiB by default) travel through pooled /dev/shm segments there.
 """
 
 from __future__ import annotations

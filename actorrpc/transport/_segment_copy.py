@@ -67,6 +67,7 @@ __all__ = [
     "STREAMING_HANDICAP",
     "SegmentFiller",
     "plain_copy",
+    "size_class",
     "streaming_copy_available",
 ]
 
@@ -88,6 +89,12 @@ FIRST_INTERVAL = 8
 LONGEST_INTERVAL = 1024
 
 CopyFunction = Callable[[Any, memoryview, bool], None]
+
+
+def size_class(nbytes: int) -> int:
+    """The size class of a copy of ``nbytes``: the least power of two of bytes holding it
+    (a pool's segments are made in these sizes; a filler measures per class)."""
+    return 1 << max(0, nbytes - 1).bit_length()
 
 
 def streaming_copy_available() -> bool:
@@ -170,7 +177,7 @@ class SegmentFiller:
         self._methods = {PLAIN: plain, STREAMING: streaming}
         self._clock = clock
         self._lock = threading.Lock()
-        self._classes: dict[int, _SizeClass] = {}
+        self._classes: dict[int, _SizeClass] = {}  # by size class (bytes)
 
     def fill(self, destination: Any, source: memoryview, release_gil: bool) -> None:
         """Copy all of ``source`` (bytes) into the start of ``destination``."""
@@ -178,13 +185,13 @@ class SegmentFiller:
         if self._methods[STREAMING] is None or not nbytes:
             self._methods[PLAIN](destination, source, release_gil)  # type: ignore[misc]
             return
-        key = (nbytes - 1).bit_length()
+        key = size_class(nbytes)
         with self._lock:
-            size_class = self._classes.get(key)
-            if size_class is None:
-                handicap = STREAMING_HANDICAP if 1 << key <= HANDICAP_UP_TO else 1.0
-                size_class = self._classes[key] = _SizeClass(handicap)
-            method = size_class.method_for_next()
+            measured = self._classes.get(key)
+            if measured is None:
+                handicap = STREAMING_HANDICAP if key <= HANDICAP_UP_TO else 1.0
+                measured = self._classes[key] = _SizeClass(handicap)
+            method = measured.method_for_next()
             if FORCED_METHOD is not None:
                 method = FORCED_METHOD
         copy = self._methods[method]
@@ -193,7 +200,7 @@ class SegmentFiller:
         copy(destination, source, release_gil)  # type: ignore[misc]
         elapsed = clock() - began
         with self._lock:
-            size_class.record(method, elapsed / nbytes)
+            measured.record(method, elapsed / nbytes)
 
     def describe(self) -> dict[str, Any]:
         """Per size class (``"<=N bytes"``): the method in use, each method's figure (µs
@@ -201,15 +208,15 @@ class SegmentFiller:
         out: dict[str, Any] = {"streaming_available": self._methods[STREAMING] is not None}
         with self._lock:
             for key in sorted(self._classes):
-                size_class = self._classes[key]
+                measured = self._classes[key]
                 figures = {}
                 for method in (PLAIN, STREAMING):
-                    figure = size_class.figure(method)
+                    figure = measured.figure(method)
                     figures[f"{method}_us_per_mib"] = (
                         None if figure is None else round(figure * 1e6 * (1 << 20), 1)
                     )
-                out[f"<={1 << key} bytes"] = {
-                    "chosen": size_class.chosen, **figures,
-                    "tries": size_class.tries, "changes": size_class.changes,
+                out[f"<={key} bytes"] = {
+                    "chosen": measured.chosen, **figures,
+                    "tries": measured.tries, "changes": measured.changes,
                 }
         return out

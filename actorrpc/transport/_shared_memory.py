@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ProtocolError
-from ._segment_copy import SegmentFiller
+from ._segment_copy import SegmentFiller, size_class
 
 __all__ = [
     "MAX_FREE_BYTES",
@@ -110,10 +110,6 @@ def create_segment(size: int, populate: bool = True) -> tuple[str, mmap.mmap]:
     return name, mapping
 
 
-def _size_class(nbytes: int) -> int:
-    return 1 << max(0, nbytes - 1).bit_length()
-
-
 @dataclass(eq=False)
 class _Segment:
     name: str
@@ -142,7 +138,7 @@ class SharedMemoryPool:
         """Copy ``buffer`` into a pooled segment lent to ``borrower``; return its descriptor."""
         view = memoryview(buffer).cast("B")
         nbytes = view.nbytes
-        size = _size_class(nbytes)
+        size = size_class(nbytes)
         with self._lock:
             if self._closed:
                 raise OSError("the shared-memory pool is closed")
