@@ -232,6 +232,7 @@ def test_a_forced_method_is_used_always(monkeypatch):
     monkeypatch.setattr(_segment_copy, "FORCED_METHOD", STREAMING)
     _fill(filler, 40)
     assert host.used == [STREAMING] * 40
+    assert _described(filler)["tries"] == 0  # forced copies are no tries of the choice
 
 
 @pytest.mark.parametrize("release_gil", [False, True])

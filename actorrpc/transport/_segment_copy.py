@@ -111,12 +111,11 @@ def plain_copy(destination: Any, source: memoryview, release_gil: bool) -> None:
         destination[:nbytes] = source
 
 
-def _streaming(destination: Any, source: memoryview, release_gil: bool) -> None:
-    _streaming_copy.copy(destination, source, release_gil)
-
-
-# the streaming copy a filler uses unless told otherwise (None: not built here)
-_DEFAULT_STREAMING: CopyFunction | None = _streaming if streaming_copy_available() else None
+# the streaming copy a filler uses unless told otherwise (None: not built here); the
+# extension's function itself, called with the copy's arguments (no Python frame between)
+_DEFAULT_STREAMING: CopyFunction | None = (
+    _streaming_copy.copy if streaming_copy_available() else None
+)
 
 
 class _SizeClass:
@@ -164,8 +163,8 @@ class _SizeClass:
 class SegmentFiller:
     """Copies buffers into segments with whichever method measures faster (see above).
 
-    ``streaming`` and ``clock`` are for tests: the streaming copy (None: only the plain
-    copy) and the timer.
+    The arguments are for tests: the streaming copy (None: only the plain copy), the
+    timer and the plain copy.
     """
 
     def __init__(
@@ -191,9 +190,8 @@ class SegmentFiller:
             if measured is None:
                 handicap = STREAMING_HANDICAP if key <= HANDICAP_UP_TO else 1.0
                 measured = self._classes[key] = _SizeClass(handicap)
-            method = measured.method_for_next()
-            if FORCED_METHOD is not None:
-                method = FORCED_METHOD
+            # (a forced method is no try: the choice's counts are left as they are)
+            method = FORCED_METHOD or measured.method_for_next()
         copy = self._methods[method]
         clock = self._clock
         began = clock()
