@@ -1,7 +1,7 @@
 """CPU that idle workers use, side by side: what a group costs while nobody calls.
 
     python benchmarks/idle_cpu.py [--world 2] [--seconds 8] [--backends torch,actorrpc]
-                                  [--timeout 120] [--threads]
+                                  [--timeout 120] [--threads] [--in-shutdown]
 
 For each backend, ``--world`` spawned workers start a group, make one all-to-all round
 of ``rpc_async`` calls (so every connection exists), wait a second, then sit idle for
@@ -11,7 +11,9 @@ not the tick-sampled ``utime``). Prints, per backend, the idle CPU of the whole 
 (% of one CPU) and per worker (ms of CPU per second); with ``--threads``, also each
 thread's share and how often it ran (``/proc/self/task/*/schedstat``: ns on the CPU and
 times scheduled, of the threads alive at both ends of the window), averaged over the
-workers, a worker's own name shown as ``worker<r>``.
+workers, a worker's own name shown as ``worker<r>``. With ``--in-shutdown``, every rank
+but 0 has called ``shutdown()`` and waits there for rank 0 during the window (as a
+serving rank often does in torch's examples), while rank 0 idles outside it.
 
 On these 2-vCPU VMs every sleep-and-wake of a thread costs ~0.2 ms of CPU (a bare
 ``time.sleep(0.05)`` loop: 227 µs per wake-up), so an idle worker's CPU is mostly its
@@ -56,10 +58,27 @@ def _thread_clocks(rank: int) -> dict[int, tuple[str, int, int]]:
     return clocks
 
 
+_SHUTDOWN_LEAD = 0.5
+"""Seconds between the other ranks' call of ``shutdown`` and the window (``--in-shutdown``)."""
+
+
+def _measure_idle(rank: int, seconds: float, out: Any) -> None:
+    """Report the CPU this process uses over the next ``seconds`` (see ``_worker``)."""
+    clocks, began = _thread_clocks(rank), time.process_time()
+    time.sleep(seconds)
+    used = time.process_time() - began
+    threads = [(name_, (ran - clocks[tid][1]) / 1e9, runs - clocks[tid][2])
+               for tid, (name_, ran, runs) in _thread_clocks(rank).items()
+               if tid in clocks]
+    out.put(("cpu", rank, (used, threads)))
+
+
 def _worker(rank: int, world_size: int, port: int, out: Any, barrier: Any, name: str,
-            seconds: float) -> None:
+            seconds: float, in_shutdown: bool = False) -> None:
     """Spawned process (``_common.Session``): reports ``("cpu", rank, (seconds of CPU,
-    [(thread name, seconds, times scheduled)]))``, or ``("fatal", rank, message)``."""
+    [(thread name, seconds, times scheduled)]))``, or ``("fatal", rank, message)``.
+    ``in_shutdown``: every rank but 0 waits in ``shutdown`` during the window (measured
+    by a thread of its own), while rank 0 idles outside it."""
     try:
         backend = Backend(name, port)
         rpc = backend.rpc
@@ -71,25 +90,32 @@ def _worker(rank: int, world_size: int, port: int, out: Any, barrier: Any, name:
             for call in calls:
                 call.wait()
             time.sleep(1.0)  # (the round's after-effects: rides, releases, back-offs)
-            clocks, began = _thread_clocks(rank), time.process_time()
-            time.sleep(seconds)
-            used = time.process_time() - began
-            threads = [(name_, (ran - clocks[tid][1]) / 1e9, runs - clocks[tid][2])
-                       for tid, (name_, ran, runs) in _thread_clocks(rank).items()
-                       if tid in clocks]
-            out.put(("cpu", rank, (used, threads)))
+            if in_shutdown and rank != 0:
+                def measure_later() -> None:
+                    time.sleep(_SHUTDOWN_LEAD)
+                    _measure_idle(rank, seconds, out)
+
+                measuring = threading.Thread(target=measure_later)
+                measuring.start()
+                rpc.shutdown()  # (waits for rank 0, which calls it after its window)
+                measuring.join()
+                return
+            if in_shutdown:
+                time.sleep(_SHUTDOWN_LEAD)
+            _measure_idle(rank, seconds, out)
         finally:
-            rpc.shutdown()
+            if not in_shutdown or rank == 0:
+                rpc.shutdown()
     except BaseException as exc:
         out.put(("fatal", rank, f"{type(exc).__name__}: {exc}"))
         raise
 
 
-def measure(name: str, world: int, seconds: float, timeout: float = 120.0
-            ) -> tuple[float, list[tuple[str, float, float]]]:
+def measure(name: str, world: int, seconds: float, timeout: float = 120.0,
+            in_shutdown: bool = False) -> tuple[float, list[tuple[str, float, float]]]:
     """Seconds of CPU per second that the whole idle group of ``name`` used, and per
     thread name (mean over the workers): seconds of CPU and times scheduled per second."""
-    session = Session(_worker, world, (name, seconds))
+    session = Session(_worker, world, (name, seconds, in_shutdown))
     session.start()
     used: dict[int, float] = {}
     threads: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -122,9 +148,11 @@ def main() -> None:
     parser.add_argument("--backends", default="torch,actorrpc")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per backend")
     parser.add_argument("--threads", action="store_true", help="also each thread's share")
+    parser.add_argument("--in-shutdown", action="store_true",
+                        help="every rank but 0 waits in shutdown() during the window")
     args = parser.parse_args()
     for name in args.backends.split(","):
-        used, threads = measure(name, args.world, args.seconds, args.timeout)
+        used, threads = measure(name, args.world, args.seconds, args.timeout, args.in_shutdown)
         print(summarize(name, args.world, used), flush=True)
         if args.threads:
             for thread, ran, runs in threads:

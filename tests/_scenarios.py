@@ -10,7 +10,8 @@ Scenarios (see ``tests/test_lifecycle.py``):
 * ``lifecycle`` (2 workers): calls before init; duplicate names; init twice;
   shutdown, calls after it, re-init on the same init method; graceful shutdown
   with calls in flight; env:// with RANK/WORLD_SIZE and torch's
-  TensorPipeRpcBackendOptions; shutdown timeout naming the missing peer;
+  TensorPipeRpcBackendOptions; a worker waiting in shutdown while its peer
+  still calls it; shutdown timeout naming the missing peer;
   non-graceful shutdown.
 * ``failures`` (1 worker): a world that never fills, an unreachable master,
   env:// without MASTER_ADDR, no RANK; then a 1-worker group still works.
@@ -242,6 +243,26 @@ def scenario_lifecycle(rank: int, world_size: int, init_method: str) -> dict[str
     if rpc.is_initialized():
         out["race_peer"] = _error(lambda: rpc.rpc_sync(peer, whoami, timeout=10))
         out["race_shutdown"] = _error(lambda: rpc.shutdown(timeout=10))
+
+    _log("4c. worker1 waits in shutdown while worker0 still calls it; the last to arrive "
+         "at each barrier wakes the others")
+    from actorrpc.agent import _rendezvous
+
+    rpc.init_rpc(me, rank=rank, world_size=world_size, rpc_backend_options=options)
+    polls = (_rendezvous._POLL_INTERVAL, _rendezvous.MAX_WOKEN_POLL_INTERVAL)
+    # (after init_rpc, whose rendezvous polls too) every pause between polls of a barrier
+    # lasts 30 s: only a BARRIER notification from the last rank to arrive ends it sooner
+    _rendezvous._POLL_INTERVAL = _rendezvous.MAX_WOKEN_POLL_INTERVAL = 30.0
+    try:
+        if rank == 0:
+            store = current_agent()._rendezvous.store
+            out["woken_peer_waits"] = wait_until(
+                lambda: int(store.add("shutdown/arrived", 0)) == 1, 20
+            )
+            out["woken_peer_serves"] = rpc.rpc_sync(peer, whoami, timeout=10)
+        _, out["woken_shutdown_s"] = _timed(lambda: rpc.shutdown(timeout=60))
+    finally:
+        _rendezvous._POLL_INTERVAL, _rendezvous.MAX_WOKEN_POLL_INTERVAL = polls
 
     _log("5. env:// with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, torch's options class")
     torch_options = torch_rpc.TensorPipeRpcBackendOptions(rpc_timeout=25, num_worker_threads=4)

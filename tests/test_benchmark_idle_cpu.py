@@ -38,3 +38,16 @@ def test_an_idle_group_is_measured() -> None:
     assert "actorrpc-io-worker<r>" in names, done.stdout
     assert all(re.fullmatch(r"  .+: [\d.]+ ms of CPU per second, scheduled [\d.]+ times a "
                             r"second", line) for line in threads), done.stdout
+
+
+def test_a_group_whose_other_ranks_wait_in_shutdown_is_measured() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--world", "2", "--seconds", "1", "--backends", "actorrpc",
+         "--timeout", "60", "--threads", "--in-shutdown"],
+        capture_output=True, text=True, timeout=110,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    first, *threads = done.stdout.splitlines()
+    assert first.startswith("actorrpc: 2 idle workers use "), done.stdout
+    names = [line.split(":")[0].strip() for line in threads]
+    assert "MainThread" in names and "actorrpc-io-worker<r>" in names, done.stdout

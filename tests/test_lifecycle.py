@@ -357,6 +357,17 @@ def test_graceful_shutdown_with_uneven_workload(runs):
     assert worker0["round2_shutdown_s"] < 20 and worker1["round2_shutdown_s"] < 20
 
 
+def test_a_worker_waiting_in_shutdown_is_woken_by_the_last_to_arrive(runs):
+    # (every pause between polls of a barrier was 30 s in this step: each shutdown
+    # ended sooner only through the BARRIER notifications)
+    worker0 = _result(runs, "lifecycle", 0)
+    worker1 = _result(runs, "lifecycle", 1)
+    assert worker0["woken_peer_waits"] is True, "worker1 never arrived at shutdown"
+    assert worker0["woken_peer_serves"] == "worker1", "a worker in shutdown stopped serving"
+    assert worker0["woken_shutdown_s"] < 15, worker0
+    assert worker1["woken_shutdown_s"] < 25, worker1
+
+
 def test_shutdown_timeout_names_missing_peer(runs):
     worker0 = _result(runs, "lifecycle", 0)
     error = worker0["shutdown_timeout"]

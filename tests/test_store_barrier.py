@@ -1,15 +1,21 @@
 """The shutdown barrier on the rendezvous store: who is missing, at a cost per poll that
-does not grow with the world size."""
+does not grow with the world size; its completion announced by the last rank to arrive."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import pytest
 import torch.distributed as dist
 
+from actorrpc.agent import _rendezvous
+from actorrpc.agent._calls import IncomingRequest
 from actorrpc.agent._rendezvous import StoreBarrier
+from actorrpc.agent._shutdown import BarrierCompletions
+from actorrpc.errors import PeerUnreachableError, ProtocolError
+from actorrpc.protocol import MessageKind
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -77,3 +83,101 @@ def test_a_waiter_stops_once_only_dead_ranks_are_missing() -> None:
     started = time.monotonic()
     missing = barriers[0].wait(started + 20, lambda missing: missing)  # all found dead
     assert missing == [2] and time.monotonic() - started < 5
+
+
+def test_exactly_the_last_rank_to_arrive_completes_the_barrier() -> None:
+    _, barriers = _group(4)
+    assert [barrier.arrive() for barrier in (barriers[2], barriers[0], barriers[3])] == [
+        False, False, False
+    ]
+    assert barriers[1].arrive() is True
+
+
+def test_a_waiter_woken_by_the_completion_does_not_wait_for_its_next_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # every pause would outlast the test's timeout: only the event can end the wait
+    monkeypatch.setattr(_rendezvous, "_POLL_INTERVAL", 600.0)
+    monkeypatch.setattr(_rendezvous, "MAX_WOKEN_POLL_INTERVAL", 600.0)
+    _, barriers = _group(2)
+    barriers[0].arrive()
+    woken = threading.Event()
+    began_waiting = threading.Event()
+
+    def dead(missing: list[int]) -> list[int]:
+        began_waiting.set()  # (asked at each poll, before the pause)
+        return []
+
+    def last_rank() -> None:
+        assert began_waiting.wait(20)
+        assert barriers[1].arrive() is True
+        woken.set()  # what the BARRIER notification does on the waiter
+
+    thread = threading.Thread(target=last_rank)
+    thread.start()
+    try:
+        assert barriers[0].wait(time.monotonic() + 1200, dead, woken) == []
+    finally:
+        thread.join(20)
+
+
+class _FakeLiveness:
+    dead_peers = {3: "gone"}
+
+
+class _FakeAgent:
+    """What :class:`BarrierCompletions` uses of an agent: handlers and notifications."""
+
+    rank = 0
+    name = "worker0"
+    liveness = _FakeLiveness()
+
+    def __init__(self, refuse: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        self.handlers: dict[MessageKind, Any] = {}
+        self.sent: list[tuple[int, MessageKind, Any]] = []
+        self._refuse = refuse
+
+    def register_handler(self, kind: MessageKind, handler: Any, inline: bool = False) -> None:
+        assert inline, "a barrier's completion must be handled on the receiving thread"
+        self.handlers[kind] = handler
+
+    def send_notification(self, rank: int, kind: MessageKind, payload: Any) -> None:
+        if rank in self._refuse:
+            raise PeerUnreachableError(f"rank {rank} left")
+        self.sent.append((rank, kind, payload))
+
+
+def _notification(payload: Any) -> IncomingRequest:
+    return IncomingRequest(MessageKind.BARRIER, None, 0, payload)  # type: ignore[arg-type]
+
+
+def test_the_completion_is_announced_to_every_live_waiter_but_the_sender() -> None:
+    agent = _FakeAgent(refuse={2})
+    completions = BarrierCompletions(agent)  # type: ignore[arg-type]
+    completions.announce("shutdown/idle", [0, 1, 2, 3, 4])  # 0: itself, 3: dead, 2: refuses
+    assert agent.sent == [
+        (1, MessageKind.BARRIER, ("shutdown/idle", 0)),
+        (4, MessageKind.BARRIER, ("shutdown/idle", 0)),
+    ]
+
+
+def test_a_completion_sets_the_event_of_its_barrier_only() -> None:
+    agent = _FakeAgent()
+    completions = BarrierCompletions(agent)  # type: ignore[arg-type]
+    arrived, idle = completions.expect("shutdown/arrived"), completions.expect("shutdown/idle")
+    assert completions.expect("shutdown/idle") is idle  # (one event per barrier)
+    agent.handlers[MessageKind.BARRIER](_notification(("shutdown/idle", 1)))
+    assert idle.is_set() and not arrived.is_set()
+
+
+@pytest.mark.parametrize(
+    "payload", [("shutdown/never", 1), (), "shutdown/idle", ([1], 2), None],
+    ids=["unknown barrier", "empty", "not a tuple", "unhashable name", "none"],
+)
+def test_a_malformed_or_unexpected_completion_is_refused_by_name(payload: Any) -> None:
+    agent = _FakeAgent()
+    completions = BarrierCompletions(agent)  # type: ignore[arg-type]
+    idle = completions.expect("shutdown/idle")
+    with pytest.raises(ProtocolError, match="BARRIER notification for no barrier"):
+        agent.handlers[MessageKind.BARRIER](_notification(payload))
+    assert not idle.is_set()

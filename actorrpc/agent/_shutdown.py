@@ -17,9 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from ..errors import ProtocolError
+from ..protocol import MessageKind
+from ._calls import IncomingRequest
 from ._dynamic_group import DynamicRendezvous, leave_dynamic_group, send_left
 from ._rendezvous import Rendezvous
 
@@ -28,7 +31,7 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("actorrpc.agent")
 
-__all__ = ["graceful_barriers", "leave", "stop_threads", "wait_until"]
+__all__ = ["BarrierCompletions", "graceful_barriers", "leave", "stop_threads", "wait_until"]
 
 
 def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: list[str]) -> None:
@@ -43,6 +46,7 @@ def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: li
     def dead(missing: list[int]) -> list[int]:
         return agent.liveness.dead_among(missing, started)
 
+    completions = BarrierCompletions(agent)
     try:
         for tag in ("arrived", "idle", "done"):
             if tag == "idle":
@@ -50,11 +54,14 @@ def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: li
             if tag != "arrived":
                 _wait_idle(agent, deadline, problems)
             assert isinstance(agent._rendezvous, Rendezvous), "static groups only"
-            barrier = agent._rendezvous.barrier(f"shutdown/{tag}")
-            barrier.arrive()
+            name = f"shutdown/{tag}"
+            barrier = agent._rendezvous.barrier(name)
+            woken = completions.expect(name)  # (before arriving: no completion is missed)
+            if barrier.arrive():  # the last to arrive: it wakes those who wait
+                completions.announce(name, [0] if tag == "done" else agent._infos)
             if tag == "done" and agent.rank != 0:
                 return
-            missing = barrier.wait(deadline, dead)
+            missing = barrier.wait(deadline, dead, woken)
             found_dead = set(dead(missing))  # the verdict the barrier waited on, not an older one
             dead_missing.update(found_dead)
             alive = [r for r in missing if r not in found_dead]
@@ -68,6 +75,49 @@ def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: li
     finally:
         for rank in sorted(dead_missing):
             problems.append(f"dead peer: {agent.liveness.dead_peers.get(rank, rank)}")
+
+
+class BarrierCompletions:
+    """The shutdown barriers' ``BARRIER`` notifications: the last rank to arrive at a
+    barrier sends ``(name, rank)`` to every rank waiting there, whose wait then ends
+    at once instead of at its next poll of the store (the polls, which also probe the
+    missing ranks' liveness, then come at most once a second: a worker waiting in
+    ``shutdown`` while the others work costs them and itself almost nothing).
+
+    Invariant: a rank registers its event for a barrier before it arrives there, so
+    the notification, which is sent only once everyone arrived, finds it.
+    """
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        self._events: dict[str, threading.Event] = {}
+        agent.register_handler(MessageKind.BARRIER, self._on_completion, inline=True)
+
+    def expect(self, name: str) -> threading.Event:
+        """The event set when barrier ``name`` is reported complete."""
+        return self._events.setdefault(name, threading.Event())
+
+    def announce(self, name: str, ranks: Iterable[int]) -> None:
+        """Tell ``ranks`` (but this one and the dead) that barrier ``name`` is complete."""
+        agent = self._agent
+        dead = agent.liveness.dead_peers
+        for rank in ranks:
+            if rank == agent.rank or rank in dead:
+                continue
+            try:
+                agent.send_notification(rank, MessageKind.BARRIER, (name, agent.rank))
+            except Exception as exc:  # noqa: BLE001 - its poll of the store finds it anyway
+                _log.debug("%s: could not tell rank %d that %s is complete: %s",
+                           agent.name, rank, name, exc)
+
+    def _on_completion(self, request: IncomingRequest) -> None:
+        payload = request.payload
+        name = payload[0] if type(payload) is tuple and payload else None
+        event = self._events.get(name) if type(name) is str else None
+        if event is None:
+            raise ProtocolError(f"BARRIER notification for no barrier this worker waits at: "
+                                f"{payload!r}")
+        event.set()
 
 
 def leave(

@@ -83,7 +83,8 @@ RREF_USER_DELETE           8  ``(rref_id, fork_id)`` user -> owner
 AUTOGRAD_BACKWARD          9  ``(context_id, message_id, grads, retain_graph, pass_id)``
 AUTOGRAD_CLEANUP          10  ``(context_id,)``
 PING                      11  ``()`` application-level liveness check
-BARRIER                   12  ``(name, rank)``
+BARRIER                   12  ``(name, rank)`` a shutdown barrier is complete (sent by the
+                              last rank to arrive, to the ranks waiting there)
 MEMBERSHIP                13  UTF-8 JSON, never pickled (dynamic groups, see below)
 SHM_RELEASE               14  ``[segment name, ...]`` the receiver is done with
 REPLY_UNDECODED           15  ``(message id, fork ids)`` caller -> callee, see below
