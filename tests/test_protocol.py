@@ -54,7 +54,7 @@ _BIG_ID = 1 << 60  # far above any id worker1 uses for its own calls
 
 def test_header_layout():
     assert HEADER_SIZE == 20 == _RAW.size
-    assert MAGIC == b"AR" and PROTOCOL_VERSION == 11
+    assert MAGIC == b"AR" and PROTOCOL_VERSION == 12
     frame = encode_header(MessageKind.CALL, 3, 7, 123456789)
     assert frame == _RAW.pack(b"AR", 11, 1, 0, 3, 7, 123456789)
     assert {MessageKind.RESPONSE, MessageKind.EXCEPTION} == RESPONSE_KINDS

@@ -1,4 +1,4 @@
-"""The actorrpc wire format (protocol version 11).
+"""The actorrpc wire format (protocol version 12).
 
 Topology
 --------
@@ -33,7 +33,8 @@ Big-endian, ``struct`` format ``!2sBBHHIQ`` (20 bytes)::
 
     offset size field
     0      2    magic       b"AR"
-    2      1    version     PROTOCOL_VERSION (11; 10 named a tensor rebuild
+    2      1    version     PROTOCOL_VERSION (12; 11 sent no BARRIER
+                            notifications at shutdown, 10 named a tensor rebuild
                             function by its extension code each time, never
                             through registered_object, 9 named them by
                             module and name instead of extension codes, 8 had
@@ -221,7 +222,7 @@ __all__ = [
 ]
 
 MAGIC = b"AR"
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 _HEADER = struct.Struct("!2sBBHHIQ")
 HEADER_SIZE = _HEADER.size
 _MAX_BUFFERS = 65535
