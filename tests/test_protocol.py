@@ -56,7 +56,7 @@ def test_header_layout():
     assert HEADER_SIZE == 20 == _RAW.size
     assert MAGIC == b"AR" and PROTOCOL_VERSION == 12
     frame = encode_header(MessageKind.CALL, 3, 7, 123456789)
-    assert frame == _RAW.pack(b"AR", 11, 1, 0, 3, 7, 123456789)
+    assert frame == _RAW.pack(b"AR", 12, 1, 0, 3, 7, 123456789)
     assert {MessageKind.RESPONSE, MessageKind.EXCEPTION} == RESPONSE_KINDS
 
 
@@ -107,7 +107,8 @@ def test_too_many_buffers_rejected():
         (_RAW.pack(b"AR", 8, 1, 0, 0, 0, 1), "version"),  # every call carried its function
         (_RAW.pack(b"AR", 9, 1, 0, 0, 0, 1), "version"),  # rebuild functions by name
         (_RAW.pack(b"AR", 10, 1, 0, 0, 0, 1), "version"),  # no registered_object
-        (_RAW.pack(b"AR", 12, 1, 0, 0, 0, 1), "version"),
+        (_RAW.pack(b"AR", 11, 1, 0, 0, 0, 1), "version"),  # no BARRIER notifications
+        (_RAW.pack(b"AR", 13, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", 255, 1, 0, 0, 0, 1), "version"),
         (_RAW.pack(b"AR", _V, 0, 0, 0, 0, 1), "kind"),
         (_RAW.pack(b"AR", _V, 17, 0, 0, 0, 1), "kind"),
@@ -137,7 +138,8 @@ def test_too_many_buffers_rejected():
         "version-8",
         "version-9",
         "version-10",
-        "version-12",
+        "version-11",
+        "version-13",
         "version-255",
         "kind-0",
         "kind-17",
