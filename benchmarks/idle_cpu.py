@@ -84,6 +84,7 @@ def _worker(rank: int, world_size: int, port: int, out: Any, barrier: Any, name:
         rpc = backend.rpc
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
                      rpc_backend_options=backend.options)
+        shut_down = False
         try:
             calls = [rpc.rpc_async(f"worker{peer}", noop)
                      for peer in range(world_size) if peer != rank]
@@ -92,11 +93,15 @@ def _worker(rank: int, world_size: int, port: int, out: Any, barrier: Any, name:
             time.sleep(1.0)  # (the round's after-effects: rides, releases, back-offs)
             if in_shutdown and rank != 0:
                 def measure_later() -> None:
-                    time.sleep(_SHUTDOWN_LEAD)
-                    _measure_idle(rank, seconds, out)
+                    try:
+                        time.sleep(_SHUTDOWN_LEAD)
+                        _measure_idle(rank, seconds, out)
+                    except BaseException as exc:
+                        out.put(("fatal", rank, f"{type(exc).__name__}: {exc}"))
 
                 measuring = threading.Thread(target=measure_later)
                 measuring.start()
+                shut_down = True
                 rpc.shutdown()  # (waits for rank 0, which calls it after its window)
                 measuring.join()
                 return
@@ -104,7 +109,7 @@ def _worker(rank: int, world_size: int, port: int, out: Any, barrier: Any, name:
                 time.sleep(_SHUTDOWN_LEAD)
             _measure_idle(rank, seconds, out)
         finally:
-            if not in_shutdown or rank == 0:
+            if not shut_down:
                 rpc.shutdown()
     except BaseException as exc:
         out.put(("fatal", rank, f"{type(exc).__name__}: {exc}"))

@@ -249,10 +249,10 @@ def scenario_lifecycle(rank: int, world_size: int, init_method: str) -> dict[str
     from actorrpc.agent import _rendezvous
 
     rpc.init_rpc(me, rank=rank, world_size=world_size, rpc_backend_options=options)
-    polls = (_rendezvous._POLL_INTERVAL, _rendezvous.MAX_WOKEN_POLL_INTERVAL)
-    # (after init_rpc, whose rendezvous polls too) every pause between polls of a barrier
-    # lasts 30 s: only a BARRIER notification from the last rank to arrive ends it sooner
-    _rendezvous._POLL_INTERVAL = _rendezvous.MAX_WOKEN_POLL_INTERVAL = 30.0
+    polls = (_rendezvous.WOKEN_FIRST_POLL_INTERVAL, _rendezvous.MAX_WOKEN_POLL_INTERVAL)
+    # every pause between polls of the barriers that are announced (arrived, idle) lasts
+    # 30 s: only a BARRIER notification from the last rank to arrive ends it sooner
+    _rendezvous.WOKEN_FIRST_POLL_INTERVAL = _rendezvous.MAX_WOKEN_POLL_INTERVAL = 30.0
     try:
         if rank == 0:
             store = current_agent()._rendezvous.store
@@ -262,7 +262,7 @@ def scenario_lifecycle(rank: int, world_size: int, init_method: str) -> dict[str
             out["woken_peer_serves"] = rpc.rpc_sync(peer, whoami, timeout=10)
         _, out["woken_shutdown_s"] = _timed(lambda: rpc.shutdown(timeout=60))
     finally:
-        _rendezvous._POLL_INTERVAL, _rendezvous.MAX_WOKEN_POLL_INTERVAL = polls
+        _rendezvous.WOKEN_FIRST_POLL_INTERVAL, _rendezvous.MAX_WOKEN_POLL_INTERVAL = polls
 
     _log("5. env:// with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, torch's options class")
     torch_options = torch_rpc.TensorPipeRpcBackendOptions(rpc_timeout=25, num_worker_threads=4)

@@ -358,8 +358,8 @@ def test_graceful_shutdown_with_uneven_workload(runs):
 
 
 def test_a_worker_waiting_in_shutdown_is_woken_by_the_last_to_arrive(runs):
-    # (every pause between polls of a barrier was 30 s in this step: each shutdown
-    # ended sooner only through the BARRIER notifications)
+    # (every pause between polls of the arrived and idle barriers was 30 s in this step:
+    # each shutdown ended sooner only through the BARRIER notifications)
     worker0 = _result(runs, "lifecycle", 0)
     worker1 = _result(runs, "lifecycle", 1)
     assert worker0["woken_peer_waits"] is True, "worker1 never arrived at shutdown"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 from typing import Any
 
 import pytest
@@ -97,20 +98,21 @@ def test_a_waiter_woken_by_the_completion_does_not_wait_for_its_next_poll(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # every pause would outlast the test's timeout: only the event can end the wait
-    monkeypatch.setattr(_rendezvous, "_POLL_INTERVAL", 600.0)
+    monkeypatch.setattr(_rendezvous, "WOKEN_FIRST_POLL_INTERVAL", 600.0)
     monkeypatch.setattr(_rendezvous, "MAX_WOKEN_POLL_INTERVAL", 600.0)
     _, barriers = _group(2)
     barriers[0].arrive()
     woken = threading.Event()
     began_waiting = threading.Event()
+    completed: list[bool] = []
 
     def dead(missing: list[int]) -> list[int]:
         began_waiting.set()  # (asked at each poll, before the pause)
         return []
 
     def last_rank() -> None:
-        assert began_waiting.wait(20)
-        assert barriers[1].arrive() is True
+        if began_waiting.wait(20):
+            completed.append(barriers[1].arrive())
         woken.set()  # what the BARRIER notification does on the waiter
 
     thread = threading.Thread(target=last_rank)
@@ -119,6 +121,28 @@ def test_a_waiter_woken_by_the_completion_does_not_wait_for_its_next_poll(
         assert barriers[0].wait(time.monotonic() + 1200, dead, woken) == []
     finally:
         thread.join(20)
+    assert completed == [True], "the second rank did not complete the barrier"
+
+
+def test_a_waiter_woken_too_early_polls_on_without_spinning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store, barriers = _group(2)
+    barriers[0].arrive()
+    woken = threading.Event()
+    woken.set()  # (a peer that announced before the barrier was complete)
+    polls: list[float] = []
+
+    def dead(missing: list[int]) -> list[int]:
+        polls.append(time.monotonic())
+        if len(polls) == 4:
+            barriers[1].arrive()
+        return []
+
+    assert barriers[0].wait(time.monotonic() + 20, dead, woken) == []
+    assert len(polls) == 4
+    # the pauses after the event was found set are the plain ones (2, 4, 8 ms at least)
+    assert polls[-1] - polls[0] >= 0.002 + 0.004 + 0.008
 
 
 class _FakeLiveness:
@@ -132,7 +156,7 @@ class _FakeAgent:
     name = "worker0"
     liveness = _FakeLiveness()
 
-    def __init__(self, refuse: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def __init__(self, refuse: Collection[int] = ()) -> None:
         self.handlers: dict[MessageKind, Any] = {}
         self.sent: list[tuple[int, MessageKind, Any]] = []
         self._refuse = refuse

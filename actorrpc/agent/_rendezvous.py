@@ -50,6 +50,7 @@ __all__ = [
 
 _POLL_INTERVAL = 0.002
 _MAX_POLL_INTERVAL = 0.05
+WOKEN_FIRST_POLL_INTERVAL = 0.1
 MAX_WOKEN_POLL_INTERVAL = 1.0
 """Longest pause between a barrier waiter's polls when a message from the last rank to
 arrive ends its wait (``StoreBarrier.wait``'s ``woken``): the polls are then only the
@@ -71,14 +72,19 @@ def poll_until(condition: Callable[[], bool], deadline: float,
     """Poll ``condition`` with a growing interval until it holds or ``deadline`` passes.
 
     With ``woken``, the pauses end when it is set (whoever makes ``condition`` hold
-    sets it) and grow up to :data:`MAX_WOKEN_POLL_INTERVAL` instead of 50 ms.
+    sets it) and grow from :data:`WOKEN_FIRST_POLL_INTERVAL` up to
+    :data:`MAX_WOKEN_POLL_INTERVAL` instead of from 2 up to 50 ms. Set while
+    ``condition`` still fails (a peer that announced too early), it no longer ends
+    pauses: the polls go on every 50 ms at most, never in a tight loop.
     """
-    interval = _POLL_INTERVAL
+    interval = _POLL_INTERVAL if woken is None else WOKEN_FIRST_POLL_INTERVAL
     longest = _MAX_POLL_INTERVAL if woken is None else MAX_WOKEN_POLL_INTERVAL
     while not condition():
         now = time.monotonic()
         if now >= deadline:
             return False
+        if woken is not None and woken.is_set():  # (it was set, yet the condition fails)
+            woken, longest, interval = None, _MAX_POLL_INTERVAL, _POLL_INTERVAL
         pause = min(interval, deadline - now)
         if woken is None:
             time.sleep(pause)

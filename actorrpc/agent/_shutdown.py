@@ -56,9 +56,13 @@ def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: li
             assert isinstance(agent._rendezvous, Rendezvous), "static groups only"
             name = f"shutdown/{tag}"
             barrier = agent._rendezvous.barrier(name)
-            woken = completions.expect(name)  # (before arriving: no completion is missed)
-            if barrier.arrive():  # the last to arrive: it wakes those who wait
-                completions.announce(name, [0] if tag == "done" else agent._infos)
+            # Registered before arriving: the completion, sent once everyone arrived,
+            # always finds it. Not at ``done``: a rank past it closes its sockets at once
+            # (linger 0), which may drop its notification; rank 0 waits there only for the
+            # others' last idle check, polling as before.
+            woken = completions.expect(name) if tag != "done" else None
+            if barrier.arrive() and woken is not None:  # the last to arrive wakes the others
+                completions.announce(name, list(agent._infos))
             if tag == "done" and agent.rank != 0:
                 return
             missing = barrier.wait(deadline, dead, woken)
@@ -79,8 +83,8 @@ def graceful_barriers(agent: Agent, deadline: float, budget: float, problems: li
 
 class BarrierCompletions:
     """The shutdown barriers' ``BARRIER`` notifications: the last rank to arrive at a
-    barrier sends ``(name, rank)`` to every rank waiting there, whose wait then ends
-    at once instead of at its next poll of the store (the polls, which also probe the
+    barrier (``arrived``, ``idle``) sends ``(name, rank)`` to every other rank, whose wait
+    then ends at once instead of at its next poll of the store (the polls, which also probe the
     missing ranks' liveness, then come at most once a second: a worker waiting in
     ``shutdown`` while the others work costs them and itself almost nothing).
 
