@@ -4,6 +4,7 @@ and real workers using them."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import struct
 import threading
@@ -24,6 +25,7 @@ from actorrpc.transport._ring import (
     RingWriter,
     rings_supported,
 )
+from actorrpc.transport._ring_inbox import RING_OFFER, RING_REFUSE
 from actorrpc.transport._shared_memory import SHM_DIRECTORY
 
 from ._waiting import start_blocked, wait_until
@@ -707,6 +709,7 @@ def test_without_rings_everything_goes_by_socket(off: str) -> None:
 
 
 def test_an_offer_of_a_missing_segment_is_refused_and_the_socket_stays(pair, caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="actorrpc")
     sender, receiver = pair
     link = sender.link(b"1:receiver", receiver.endpoint)
     offered = link._offered
@@ -716,7 +719,10 @@ def test_an_offer_of_a_missing_segment_is_refused_and_the_socket_stays(pair, cap
     messages: list[list[object]] = []
     assert wait_until(lambda: (messages.extend(receiver.receive(0.05)), len(messages))[1] == 1,
                       timeout=20)
-    assert "refused the ring" in caplog.text
+    # (a sender that closed after its offer, as at its shutdown: no warning)
+    refusals = [r for r in caplog.records if "refused the ring" in r.getMessage()]
+    assert [r.levelno for r in refusals] == [logging.DEBUG], caplog.text
+    assert "its sender closed" in refusals[0].getMessage()
     assert wait_until(lambda: _answered(link), timeout=20)
     link.send([b"AR-header", b"still by socket"])  # reads the refusal
     assert link.ring is None and link._offered is None and receiver.rings_in() == 0
@@ -764,3 +770,21 @@ def test_frames_from_a_ring_read_as_bytes_like_socket_frames(ring) -> None:
     frame = message[2]
     assert bytes(frame) == frame.bytes == bytes(frame.buffer) == b'{"op": "probe"}'  # type: ignore[attr-defined]
     assert _parse([frame]) == {"op": "probe"}  # (a MEMBERSHIP message's payload frame)
+
+
+def test_an_offer_refused_for_another_reason_warns(pair, caplog) -> None:
+    _, receiver = pair
+    answer = receiver._ring_inbox.on_control([b"0:sender", RING_OFFER, b"not a segment"], [])
+    assert answer == [RING_REFUSE, b"not a segment"]
+    refusals = [r for r in caplog.records if "refused the ring" in r.getMessage()]
+    assert [r.levelno for r in refusals] == [logging.WARNING], caplog.text
+
+
+def test_an_offer_from_a_peer_gone_before_the_answer_is_dropped_quietly(pair, caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="actorrpc")
+    _, receiver = pair
+    # an offer whose connection is gone (no peer of that identity): the refusal cannot leave
+    receiver._answer_control([b"9:gone", RING_OFFER, b"not a segment"], [])
+    unanswered = [r for r in caplog.records if "could not answer" in r.getMessage()]
+    assert [r.levelno for r in unanswered] == [logging.DEBUG], caplog.text
+    assert "unreachable" in unanswered[0].getMessage().lower()

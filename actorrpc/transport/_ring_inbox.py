@@ -81,7 +81,11 @@ class RingInbox:
             if self.doorbell is None:
                 self.doorbell = Doorbell()
         except (OSError, ProtocolError, UnicodeDecodeError) as exc:
-            _log.warning("refused the ring of %r: %s", identity, exc)
+            # a segment already gone: its peer closed while the offer was on its way (a
+            # race with that peer's shutdown, nothing to warn about); anything else warns
+            gone = isinstance(exc.__cause__, FileNotFoundError)
+            _log.log(logging.DEBUG if gone else logging.WARNING,
+                     "refused the ring of %r: %s", identity, exc)
             return [RING_REFUSE, name]
         previous = self._readers.get(identity)
         if previous is not None:  # an earlier link's ring: what it holds comes first

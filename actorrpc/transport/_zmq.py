@@ -410,7 +410,9 @@ class Transport:
         try:
             self._inbox.send_multipart([identity, *answer], _NOBLOCK)
         except zmq.ZMQError as exc:  # the connection went meanwhile
-            _log.warning("could not answer the ring offer of %r: %s", identity, exc)
+            # (unreachable: the peer closed after its offer, as at its shutdown)
+            _log.log(logging.DEBUG if exc.errno == zmq.EHOSTUNREACH else logging.WARNING,
+                     "could not answer the ring offer of %r: %s", identity, exc)
             self._ring_inbox.forget(identity)
 
     def _receive_with_rings(self, messages: list[list[Any]], timeout: float) -> list[list[Any]]:
