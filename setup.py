@@ -12,7 +12,10 @@ keeps are in ``actorrpc/_compiled.py``'s docstring.
 
 Every build also tries one small C extension, ``actorrpc.transport._streaming_copy``
 (a copy into shared memory with streaming stores); it is optional: where it cannot be
-built, installing goes on without it.
+built, installing goes on without it. A build that can import torch (not pip's isolated
+build environment: ``python setup.py build_ext --inplace`` or ``pip install
+--no-build-isolation``) also tries ``actorrpc.autograd._one_node_pass``, C++ against
+torch's headers (a local backward pass over one node without the engine), optional too.
 """
 
 from __future__ import annotations
@@ -94,8 +97,40 @@ STREAMING_COPY = Extension(
     optional=True,
 )
 
+
+
+def _one_node_pass_extension() -> list:  # type: ignore[type-arg]
+    """The native one-node backward pass (``actorrpc/autograd/_one_node_pass.cpp``), built
+    against the torch this build environment has: optional, and only where torch is
+    importable here (``python setup.py build_ext --inplace``, ``pip install
+    --no-build-isolation``; pip's isolated build environment has no torch, and must not
+    fetch one). Without it, every local pass runs in torch's engine."""
+    if _METADATA_ONLY.intersection(sys.argv):
+        return []
+    try:
+        import torch
+        from torch.utils.cpp_extension import include_paths, library_paths
+    except ImportError:
+        return []
+    return [Extension(
+        "actorrpc.autograd._one_node_pass",
+        ["actorrpc/autograd/_one_node_pass.cpp"],
+        include_dirs=include_paths(),
+        library_dirs=library_paths(),
+        libraries=["c10", "torch", "torch_cpu", "torch_python"],
+        language="c++",
+        extra_compile_args=[
+            "-std=c++20",
+            "-O2",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            f'-DACTORRPC_TORCH_VERSION="{torch.__version__}"',
+        ],
+        optional=True,
+    )]
+
+
 setup(
     packages=packages,
-    ext_modules=[STREAMING_COPY, *_compiled_extensions()],
+    ext_modules=[STREAMING_COPY, *_one_node_pass_extension(), *_compiled_extensions()],
     setup_requires=[MYPY_FOR_COMPILING] if _compile_requested() else [],
 )
