@@ -14,8 +14,9 @@ Every build also tries one small C extension, ``actorrpc.transport._streaming_co
 (a copy into shared memory with streaming stores); it is optional: where it cannot be
 built, installing goes on without it. A build that can import torch (not pip's isolated
 build environment: ``python setup.py build_ext --inplace`` or ``pip install
---no-build-isolation``) also tries ``actorrpc.autograd._one_node_pass``, C++ against
-torch's headers (a local backward pass over one node without the engine), optional too.
+--no-build-isolation``) also tries ``actorrpc.autograd._native``, C++ against torch's
+headers (a message's recv node and a local backward pass over one node, without torch's
+Python layers and engine), optional too.
 """
 
 from __future__ import annotations
@@ -99,12 +100,12 @@ STREAMING_COPY = Extension(
 
 
 
-def _one_node_pass_extension() -> list:  # type: ignore[type-arg]
-    """The native one-node backward pass (``actorrpc/autograd/_one_node_pass.cpp``), built
+def _native_autograd_extension() -> list:  # type: ignore[type-arg]
+    """Distributed autograd's native steps (``actorrpc/autograd/_native.cpp``), built
     against the torch this build environment has: optional, and only where torch is
     importable here (``python setup.py build_ext --inplace``, ``pip install
     --no-build-isolation``; pip's isolated build environment has no torch, and must not
-    fetch one). Without it, every local pass runs in torch's engine."""
+    fetch one). Without it, the same steps run through torch's Python API."""
     if _METADATA_ONLY.intersection(sys.argv):
         return []
     try:
@@ -113,8 +114,8 @@ def _one_node_pass_extension() -> list:  # type: ignore[type-arg]
     except ImportError:
         return []
     return [Extension(
-        "actorrpc.autograd._one_node_pass",
-        ["actorrpc/autograd/_one_node_pass.cpp"],
+        "actorrpc.autograd._native",
+        ["actorrpc/autograd/_native.cpp"],
         include_dirs=include_paths(),
         library_dirs=library_paths(),
         libraries=["c10", "torch", "torch_cpu", "torch_python"],
@@ -131,6 +132,6 @@ def _one_node_pass_extension() -> list:  # type: ignore[type-arg]
 
 setup(
     packages=packages,
-    ext_modules=[STREAMING_COPY, *_one_node_pass_extension(), *_compiled_extensions()],
+    ext_modules=[STREAMING_COPY, *_native_autograd_extension(), *_compiled_extensions()],
     setup_requires=[MYPY_FOR_COMPILING] if _compile_requested() else [],
 )

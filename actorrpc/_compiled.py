@@ -45,10 +45,11 @@ __all__ = ["compiled_modules"]
 
 # extension modules written by hand (not by mypyc: not part of what "compiled" reports):
 # the streaming copy (C), built in every build where a compiler is present, and the
-# one-node backward pass (C++ against torch's headers), where the build can import torch
+# native steps of distributed autograd (C++ against torch's headers), where the build can
+# import torch
 _HAND_WRITTEN = frozenset({
     "actorrpc.transport._streaming_copy",
-    "actorrpc.autograd._one_node_pass",
+    "actorrpc.autograd._native",
 })
 
 
@@ -57,7 +58,7 @@ def compiled_modules() -> list[str]:
     process runs (an ``ACTORRPC_COMPILE=1`` install compiles the per-message path with
     mypyc; the pure-Python build has none). ``import actorrpc`` loads them all. The
     hand-written extensions (the streaming copy into shared memory, which every build
-    has where a compiler was present; the native one-node backward pass, which builds
+    has where a compiler was present; distributed autograd's native steps, which builds
     that can import torch have) are not counted.
 
     Example::

@@ -1162,6 +1162,9 @@ def test_boundary_nodes_skip_the_python_apply_layer_unless_functorch_is_active(
     from actorrpc.autograd import _functions
 
     used: list[str] = []
+    # (RecvRpc's path: the native recv node, where built, has tests of its own in
+    # tests/test_native_autograd.py)
+    monkeypatch.setattr(_functions, "NATIVE_RECV", False)
     fast_send, fast_recv = _functions._send_rpc_apply, _functions._recv_rpc_apply
     monkeypatch.setattr(_functions, "_send_rpc_apply",
                         lambda *a: used.append("send") or fast_send(*a))

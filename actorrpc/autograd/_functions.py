@@ -73,6 +73,36 @@ _new_tuple = tuple.__new__
 _log = logging.getLogger("actorrpc.autograd")
 
 
+def _load_native() -> Any:
+    """The ``_native`` extension, if it was built against this torch; else None."""
+    try:
+        module: Any = importlib.import_module(f"{__package__}._native")
+    except ImportError:  # (not built: pip's isolated build environment has no torch)
+        return None
+    if torch.__version__ != module.TORCH_VERSION:  # it reads torch's structures directly
+        _log.warning(
+            "actorrpc.autograd._native was built against torch %s, not this torch (%s): "
+            "distributed autograd takes torch's Python API instead; rebuild actorrpc",
+            module.TORCH_VERSION, torch.__version__,
+        )
+        return None
+    return module
+
+
+# Where built (setup.py), recv nodes are made and one-node passes run natively (their
+# file says what each does and when a pass declines); the switches are for same-run A/Bs
+# (benchmarks/ab_switch.py).
+_native = _load_native()
+_one_node_pass: Any = None if _native is None else _native.one_node_pass
+_native_recv_outputs: Any = None if _native is None else _native.recv_outputs
+ONE_NODE_PASS = True
+NATIVE_RECV = True
+# the types of recv nodes, both tagged (recv_tag): RecvRpc's, and the native one
+_RECV_NODES: tuple[Any, ...] = (RecvRpc._backward_cls,) + (
+    () if _native is None else (_native.RecvRpcBackward,))
+_Parameter = torch.nn.Parameter
+
+
 # Input of every RecvRpc so that its outputs require grad; never receives a gradient.
 _ANCHOR = torch.zeros((), requires_grad=True)
 
@@ -81,7 +111,6 @@ _ANCHOR = torch.zeros((), requires_grad=True)
 # active) only binds default arguments for ``setup_context`` (neither defines one) and
 # unwraps dead functorch wrappers from the arguments (none without a transform): about
 # 5 µs of ``SendRpc.apply`` and 10 of ``RecvRpc.apply``, per message, on a slow host.
-_RECV_NODE = RecvRpc._backward_cls  # the type of RecvRpc's nodes (tagged by recv_tag)
 _send_rpc_apply = super(torch.autograd.Function, SendRpc).apply
 _recv_rpc_apply = super(torch.autograd.Function, RecvRpc).apply
 _functorch_active = torch._C._are_functorch_transforms_active
@@ -107,7 +136,16 @@ def make_send_aliases(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
 def make_recv_outputs(
     tensors: list[torch.Tensor], context_id: int, message_id: int, sender: int
 ) -> tuple[tuple[torch.Tensor, ...], Any]:
-    """New tensors with the received values whose grad_fn is one tagged ``RecvRpcBackward``."""
+    """New tensors with the received values whose grad_fn is one tagged ``RecvRpcBackward``
+    (native where built, for plain tensors and parameters outside functorch transforms)."""
+    if _native_recv_outputs is not None and NATIVE_RECV and not _functorch_active():
+        for tensor in tensors:  # (a loop: no frame)
+            kind = type(tensor)
+            if kind is not _Tensor and kind is not _Parameter:
+                break  # (a subclass: its own torch functions, through RecvRpc)
+        else:
+            return _native_recv_outputs(  # type: ignore[no-any-return]
+                tuple(tensors), context_id, message_id, sender)
     outputs = _apply_recording(RecvRpc, _recv_rpc_apply, _ANCHOR, *map(_detach, tensors))
     node = outputs[0].grad_fn
     setattr(node, _TAG, (context_id, message_id, sender, len(outputs)))
@@ -149,7 +187,7 @@ def leaves_of_edges(edges: Iterable[GradientEdge]) -> tuple[torch.Tensor, ...] |
 def recv_tag(node: Any) -> tuple[int, int, int, int] | None:
     """``(context_id, message_id, sender, num_outputs)`` of a RecvRpcBackward node, else None."""
     # (other nodes fail the lookup: an exception each, per node a pass walks)
-    return getattr(node, _TAG, None) if type(node) is _RECV_NODE else None
+    return getattr(node, _TAG, None) if type(node) in _RECV_NODES else None
 
 
 # -- values ------------------------------------------------------------------------------
@@ -326,7 +364,7 @@ def reach_from(nodes: Iterable[Any], extra_leaves: Iterable[torch.Tensor] = ()) 
                 leaf_ids.add(id(variable))
                 leaves.append(variable)
             continue
-        if type(node) is _RECV_NODE and getattr(node, _TAG, None) is not None:  # (recv_tag)
+        if type(node) in _RECV_NODES and getattr(node, _TAG, None) is not None:  # (recv_tag)
             recvs.append(node)
             continue
         for child, _ in node.next_functions:
@@ -346,26 +384,6 @@ def _accelerator_initialized() -> bool:
     if xpu is None or getattr(xpu, "_initialized", None) is False:
         return False
     return bool(xpu.is_initialized())
-
-
-def _load_one_node_pass() -> Any:
-    """``_one_node_pass.run``, if that extension was built against this torch; else None."""
-    try:
-        module: Any = importlib.import_module(f"{__package__}._one_node_pass")
-    except ImportError:  # (not built: pip's isolated build environment has no torch)
-        return None
-    if torch.__version__ != module.TORCH_VERSION:  # it reads torch's structures directly
-        _log.warning(
-            "actorrpc.autograd._one_node_pass was built against torch %s, not this torch "
-            "(%s): every local backward pass runs in torch's engine; rebuild actorrpc",
-            module.TORCH_VERSION, torch.__version__,
-        )
-        return None
-    return module.run
-
-
-_one_node_pass = _load_one_node_pass()
-ONE_NODE_PASS = True  # (a switch for same-run A/Bs: benchmarks/ab_switch.py)
 
 
 def gradients_at(
@@ -388,8 +406,9 @@ def gradients_at(
     logs the nodes). Then, from one output whose node is the only one the pass would
     run (the usual pass on either side of an RPC'd op: ``sum`` down to the recv node,
     ``add`` down to the received tensors), the node runs without the engine, where the
-    native ``_one_node_pass`` is built: 0.3 against 7.5 µs warm, about 25 in a pass
-    between messages (its file states when it declines: hooks, Python nodes, anomaly mode).
+    native extension is built (``_native.one_node_pass``): 0.3 against 7.5 µs warm, about
+    25 in a pass between messages (its file states when it declines: hooks, Python nodes,
+    anomaly mode).
     """
     tensors = []  # (a loop: a generator is a Python frame per item)
     for value in (*outputs, *inputs):

@@ -1,32 +1,45 @@
-// actorrpc.autograd._one_node_pass: a local backward pass over one autograd node, run
-// without the engine (an optional extension, built against torch's headers; see setup.py).
+// actorrpc.autograd._native: two steps of distributed autograd without torch's Python
+// layers (an optional extension, built against torch's headers; see setup.py). Without it
+// the same steps run through torch's public machinery (``_functions``).
 //
-// ``run(output, inputs, grad_outputs)`` does what ``torch.autograd.grad((output,), inputs,
-// grad_outputs, retain_graph=True, allow_unused=True)`` does when ``output``'s node is the
-// only node that pass would run: every edge out of it leads to one of ``inputs``, whose
+// ``one_node_pass(output, inputs, grad_outputs)`` does what ``torch.autograd.grad((output,),
+// inputs, grad_outputs, retain_graph=True, allow_unused=True)`` does when ``output``'s node is
+// the only node that pass would run: every edge out of it leads to one of ``inputs``, whose
 // gradients are then the node's outputs (summed where two edges lead to one input). The
 // engine's bookkeeping for that (a graph task, its dependency count and execution info,
 // a ready queue) costs 7-8 µs warm here and 20-30 µs in a pass between messages; calling
 // the node costs under 1.
 //
-// Invariants that make it the engine's result (otherwise ``run`` returns None and the
-// caller asks the engine):
+// Invariants that make it the engine's result (otherwise it returns None and the caller
+// asks the engine):
 // * The node is a C++ node (not a Python ``torch.autograd.Function``, whose backward may
 //   do anything) with no hooks of any kind, and each input's node has no tensor pre-hooks
 //   or retains_grad hooks (the engine runs those on a captured gradient): a node's hooks
 //   can be registered by anyone holding it, so they are read from the node itself.
-// * Anomaly mode is off (the engine records and checks more), and the node's inputs and
-//   the gradients are CPU tensors (no streams to synchronise).
+// * Anomaly mode is off (the engine records and checks more), no pass is running on this
+//   thread (a node's backward asking for one), and the node's inputs and the gradients
+//   are CPU tensors (no streams to synchronise).
 // * As in the engine: grad mode is off while the node runs, the gradients given for the
 //   output and those the node returns are validated and cast by ``validate_outputs``
 //   (shapes, dtypes), and the graph is kept (``retain_graph=True``: nothing released).
 //   The GIL is released while the node runs, as the engine does.
+//
+// ``recv_outputs(tensors, context_id, message_id, sender)`` makes a message's recv
+// function: a ``RecvRpcBackward`` C++ node tagged with the message, and for each received
+// tensor a new tensor sharing its data (``detach``: not a view) whose grad_fn is that node.
+// It does what ``RecvRpc.apply`` (``_nodes``) does, without a Python node, its context
+// object and the Function machinery (~7 µs warm per message). The node has no next edges:
+// a local pass never runs it (it asks for the gradient at its outputs, which must travel
+// back to the sender), and a plain local backward that reaches it stops there, as
+// ``RecvRpc.backward`` does. Its tag, ``(context_id, message_id, sender, num_outputs)``,
+// is the attribute ``_actorrpc_recv`` (``_functions.recv_tag``).
 #include <Python.h>
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
@@ -104,7 +117,7 @@ bool all_on_cpu(const variable_list& tensors) {
   return true;
 }
 
-PyObject* run(PyObject* /*module*/, PyObject* args) {
+PyObject* one_node_pass(PyObject* /*module*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject* output = nullptr;
   PyObject* inputs = nullptr;
@@ -202,22 +215,125 @@ PyObject* run(PyObject* /*module*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-PyMethodDef methods[] = {
-    {"run", run, METH_VARARGS,
-     "run(output, inputs, grad_outputs): the gradients at inputs of a pass over output's "
-     "node alone, or None where the engine must run it"},
+struct RecvRpcBackward : public Node {
+  RecvRpcBackward(int64_t context_id, int64_t message_id, int64_t sender)
+      : context_id(context_id), message_id(message_id), sender(sender) {}
+
+  variable_list apply(variable_list&& /*grads*/) override {
+    return {};  // (no next edges: a plain local backward stops here, nothing is sent)
+  }
+
+  std::string name() const override {
+    return "RecvRpcBackward";
+  }
+
+  const int64_t context_id;
+  const int64_t message_id;
+  const int64_t sender;
+};
+
+PyTypeObject recv_node_type;  // (filled in by _initFunctionPyTypeObject at import)
+
+PyObject* recv_tag(PyObject* self, void* /*closure*/) {
+  HANDLE_TH_ERRORS
+  auto* node = static_cast<RecvRpcBackward*>(((THPCppFunction*)self)->cdata.get());
+  return Py_BuildValue("(LLLI)", static_cast<long long>(node->context_id),
+                       static_cast<long long>(node->message_id),
+                       static_cast<long long>(node->sender), node->num_inputs());
+  END_HANDLE_TH_ERRORS
+}
+
+// (torch's own nodes' properties and methods, as THP_FUNCTION_DEFAULT_* list them, less
+// ``_set_sequence_nr``, which torch's headers do not declare)
+PyGetSetDef recv_node_properties[] = {
+    {(char*)"next_functions", torch::autograd::THPCppFunction_next_functions, nullptr, nullptr,
+     nullptr},
+    {(char*)"requires_grad", torch::autograd::THPCppFunction_requires_grad, nullptr, nullptr,
+     nullptr},
+    {(char*)"metadata", torch::autograd::THPCppFunction_metadata, nullptr, nullptr, nullptr},
+    {(char*)"_input_metadata", torch::autograd::THPCppFunction_input_metadata, nullptr,
+     nullptr, nullptr},
+    {(char*)"_actorrpc_recv", recv_tag, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyMethodDef recv_node_methods[] = {
+    {(char*)"_register_hook_dict", torch::autograd::THPCppFunction_register_hook_dict, METH_O,
+     nullptr},
+    {(char*)"register_hook", torch::autograd::THPCppFunction_register_hook, METH_O, nullptr},
+    {(char*)"register_prehook", torch::autograd::THPCppFunction_register_prehook, METH_O,
+     nullptr},
+    {(char*)"name", torch::autograd::THPCppFunction_name, METH_NOARGS, nullptr},
+    {(char*)"_sequence_nr", torch::autograd::THPCppFunction_sequence_nr, METH_NOARGS, nullptr},
     {nullptr, nullptr, 0, nullptr}};
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "_one_node_pass", nullptr, -1, methods};
+PyObject* recv_outputs(PyObject* /*module*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* tensors = nullptr;
+  long long context_id = 0;
+  long long message_id = 0;
+  long long sender = 0;
+  if (!PyArg_ParseTuple(args, "O!LLL", &PyTuple_Type, &tensors, &context_id, &message_id,
+                        &sender)) {
+    return nullptr;
+  }
+  const Py_ssize_t count = PyTuple_GET_SIZE(tensors);
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    if (!THPVariable_Check(PyTuple_GET_ITEM(tensors, i))) {
+      PyErr_Format(PyExc_TypeError, "recv_outputs: item %zd is not a tensor", i);
+      return nullptr;
+    }
+  }
+  auto node = c10::make_intrusive<RecvRpcBackward>(context_id, message_id, sender);
+  PyObject* outputs = PyTuple_New(count);
+  if (outputs == nullptr) {
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    at::Tensor output = THPVariable_Unpack(PyTuple_GET_ITEM(tensors, i)).detach();
+    torch::autograd::set_history(output, node);
+    PyObject* wrapped = THPVariable_Wrap(std::move(output));
+    if (wrapped == nullptr) {
+      Py_DECREF(outputs);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(outputs, i, wrapped);
+  }
+  PyObject* node_object = torch::autograd::functionToPyObject(node);
+  if (node_object == nullptr) {
+    Py_DECREF(outputs);
+    return nullptr;
+  }
+  return Py_BuildValue("(NN)", outputs, node_object);
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef methods[] = {
+    {"one_node_pass", one_node_pass, METH_VARARGS,
+     "one_node_pass(output, inputs, grad_outputs): the gradients at inputs of a pass over "
+     "output's node alone, or None where the engine must run it"},
+    {"recv_outputs", recv_outputs, METH_VARARGS,
+     "recv_outputs(tensors, context_id, message_id, sender): (outputs, node), the received "
+     "tensors' new tensors and their RecvRpcBackward node"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", nullptr, -1, methods};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__one_node_pass() {
+PyMODINIT_FUNC PyInit__native() {
   PyObject* created = PyModule_Create(&module);
+  if (created == nullptr) {
+    return nullptr;
+  }
+  if (recv_node_type.tp_name == nullptr) {  // (once per process)
+    torch::autograd::_initFunctionPyTypeObject(recv_node_type, "RecvRpcBackward",
+                                               recv_node_properties, recv_node_methods);
+    torch::autograd::registerCppFunction(typeid(RecvRpcBackward), &recv_node_type);
+  }
   // the torch it was built against: its structures are read directly, so the loader
-  // refuses the module under any other torch (``_functions._load_one_node_pass``)
-  if (created != nullptr &&
-      PyModule_AddStringConstant(created, "TORCH_VERSION", ACTORRPC_TORCH_VERSION) < 0) {
+  // refuses the module under any other torch (``_functions._load_native``)
+  if (PyModule_AddStringConstant(created, "TORCH_VERSION", ACTORRPC_TORCH_VERSION) < 0 ||
+      PyModule_AddObjectRef(created, "RecvRpcBackward", (PyObject*)&recv_node_type) < 0) {
     Py_DECREF(created);
     return nullptr;
   }

@@ -1,4 +1,5 @@
-"""The native one-node backward pass (``actorrpc/autograd/_one_node_pass.cpp``).
+"""Distributed autograd's native steps (``actorrpc/autograd/_native.cpp``): the one-node
+backward pass and the recv node.
 
 Built where torch is importable at build time (CI's compiled stage builds it in place;
 with ``ACTORRPC_EXPECT_COMPILED=1`` it is required); pip's isolated build environment has
@@ -29,13 +30,13 @@ from actorrpc.autograd import _functions
 pytestmark = pytest.mark.timeout(60)
 
 _run = _functions._one_node_pass
-needs_native = pytest.mark.skipif(_run is None, reason="the one-node pass is not built here")
+needs_native = pytest.mark.skipif(_run is None, reason="the native steps are not built here")
 
 
-def test_the_one_node_pass_is_built_where_expected() -> None:
+def test_the_native_steps_are_built_where_expected() -> None:
     if os.environ.get("ACTORRPC_EXPECT_COMPILED") != "1":
         pytest.skip("only the compiled stage (an in-place build that sees torch) requires it")
-    assert _run is not None, "actorrpc.autograd._one_node_pass was not built or not loaded"
+    assert _functions._native is not None, "actorrpc.autograd._native was not built or loaded"
 
 
 def _edges(node: Any) -> tuple[GradientEdge, ...]:
@@ -305,20 +306,88 @@ def test_gradients_at_takes_it_and_the_switch_turns_it_off(
 def test_a_module_built_against_another_torch_is_refused(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    stale = types.SimpleNamespace(TORCH_VERSION="1.0.0", run=lambda *args: ())
+    stale = types.SimpleNamespace(TORCH_VERSION="1.0.0")
     monkeypatch.setattr(_functions.importlib, "import_module", lambda name: stale)
     with caplog.at_level(logging.WARNING, logger="actorrpc.autograd"):
-        assert _functions._load_one_node_pass() is None
+        assert _functions._load_native() is None
     assert "built against torch 1.0.0" in caplog.text and torch.__version__ in caplog.text
-    current = types.SimpleNamespace(TORCH_VERSION=torch.__version__, run=len)
+    current = types.SimpleNamespace(TORCH_VERSION=torch.__version__)
     monkeypatch.setattr(_functions.importlib, "import_module", lambda name: current)
-    assert _functions._load_one_node_pass() is len
+    assert _functions._load_native() is current
 
     def missing(name: str) -> Any:
         raise ImportError(name)
 
     monkeypatch.setattr(_functions.importlib, "import_module", missing)
-    assert _functions._load_one_node_pass() is None
+    assert _functions._load_native() is None
+
+
+# -- the recv node --------------------------------------------------------------------------------
+
+
+def _python_recv(tensors: list[torch.Tensor], tag: tuple[int, int, int],
+                 monkeypatch: pytest.MonkeyPatch) -> tuple[tuple[torch.Tensor, ...], Any]:
+    with monkeypatch.context() as patch:
+        patch.setattr(_functions, "NATIVE_RECV", False)
+        return _functions.make_recv_outputs(tensors, *tag)
+
+
+@needs_native
+def test_the_native_recv_node_is_what_recv_rpc_makes(monkeypatch: pytest.MonkeyPatch) -> None:
+    received = [_leaf(3, 4), torch.nn.Parameter(torch.rand(2)), _leaf(5, dtype=torch.float64)]
+    native_outputs, native_node = _functions.make_recv_outputs(received, 7, 8, 2)
+    python_outputs, python_node = _python_recv(received, (7, 8, 2), monkeypatch)
+    assert type(native_node) is _functions._native.RecvRpcBackward
+    assert type(python_node) is not type(native_node)
+    for node in (native_node, python_node):
+        assert node.name() == type(node).__name__ == "RecvRpcBackward"
+        assert _functions.recv_tag(node) == (7, 8, 2, 3)
+    for index, (native, python, tensor) in enumerate(
+            zip(native_outputs, python_outputs, received)):
+        for output in (native, python):
+            assert type(output) is torch.Tensor and output.requires_grad and not output.is_leaf
+            assert output.data_ptr() == tensor.data_ptr() and not output._is_view()
+            assert output is not tensor and output.output_nr == index
+        assert native.grad_fn is native_node
+        assert native.dtype == python.dtype and native.shape == python.shape
+    # a local pass asks for the gradient at its outputs, and the reach stops at it
+    loss = (native_outputs[0] * 3).sum() + native_outputs[1].sum()
+    reach = _functions.reach_from([loss.grad_fn])
+    assert reach.recvs == [native_node] and reach.leaves == []
+    inputs, tags = reach.pass_inputs()
+    assert tags == ((7, 8, 2, 3),) and len(inputs) == 3
+    grads = _functions.gradients_at([loss], inputs, [torch.ones(())])
+    torch.testing.assert_close(grads[0], torch.full((3, 4), 3.0))
+    torch.testing.assert_close(grads[1], torch.ones(2))
+    assert grads[2] is None
+    # a plain local backward stops at it: nothing flows to the received tensors
+    loss.backward()
+    assert all(tensor.grad is None for tensor in received)
+    # in-place changes to an output are allowed, as to a received tensor
+    native_outputs[2].detach().add_(1)
+
+
+@needs_native
+def test_a_subclass_or_a_functorch_transform_takes_recv_rpc(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Marked(torch.Tensor):
+        pass
+
+    marked = torch.rand(3).as_subclass(Marked).requires_grad_()
+    _, node = _functions.make_recv_outputs([_leaf(2), marked], 1, 2, 3)
+    assert type(node) is not _functions._native.RecvRpcBackward
+    assert _functions.recv_tag(node) == (1, 2, 3, 2)
+    monkeypatch.setattr(_functions, "_functorch_active", lambda: True)
+    _, node = _functions.make_recv_outputs([_leaf(2)], 1, 2, 3)
+    assert type(node) is not _functions._native.RecvRpcBackward
+
+
+@needs_native
+def test_recv_outputs_refuses_what_is_not_a_tensor() -> None:
+    assert _functions._native is not None
+    with pytest.raises(TypeError, match="item 1 is not a tensor"):
+        _functions._native.recv_outputs((_leaf(2), "x"), 1, 2, 3)
 
 
 # -- through real workers: hooks on either side of an RPC ----------------------------------------
