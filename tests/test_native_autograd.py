@@ -341,6 +341,7 @@ def test_the_native_recv_node_is_what_recv_rpc_makes(monkeypatch: pytest.MonkeyP
     assert type(python_node) is not type(native_node)
     for node in (native_node, python_node):
         assert node.name() == type(node).__name__ == "RecvRpcBackward"
+        assert isinstance(node, torch.autograd.graph.Node)
         assert _functions.recv_tag(node) == (7, 8, 2, 3)
     for index, (native, python, tensor) in enumerate(
             zip(native_outputs, python_outputs, received)):

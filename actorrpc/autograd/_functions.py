@@ -97,9 +97,12 @@ _one_node_pass: Any = None if _native is None else _native.one_node_pass
 _native_recv_outputs: Any = None if _native is None else _native.recv_outputs
 ONE_NODE_PASS = True
 NATIVE_RECV = True
-# the types of recv nodes, both tagged (recv_tag): RecvRpc's, and the native one
-_RECV_NODES: tuple[Any, ...] = (RecvRpc._backward_cls,) + (
-    () if _native is None else (_native.RecvRpcBackward,))
+# the types of recv nodes, both tagged (recv_tag): RecvRpc's, and the native one (which,
+# like torch's own C++ nodes, is a ``torch.autograd.graph.Node`` to ``isinstance``)
+_RECV_NODES: tuple[Any, ...] = (RecvRpc._backward_cls,)
+if _native is not None:
+    _RECV_NODES += (_native.RecvRpcBackward,)
+    torch.autograd.graph.Node.register(_native.RecvRpcBackward)
 _Parameter = torch.nn.Parameter
 
 
