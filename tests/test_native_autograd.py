@@ -225,7 +225,17 @@ def _declined_cases() -> Iterator[tuple[str, Callable[[], tuple[Any, tuple[Any, 
         out = a * 2
         return out, (out, a), (torch.ones(3),)
 
+    def input_asked_for_twice() -> tuple[Any, tuple[Any, ...], Any]:
+        a, b = _leaf(3), _leaf(3, seed=1)
+        return a * b, (a, b, a), (torch.ones(3),)
+
+    def output_nr_beyond_the_node() -> tuple[Any, tuple[Any, ...], Any]:
+        a = _leaf(3)
+        out = a * 2
+        return GradientEdge(out.grad_fn, 3), (a,), (torch.ones(3),)
+
     yield from [(f.__name__, f) for f in (
+        input_asked_for_twice, output_nr_beyond_the_node,
         hook_on_output, retained_output, node_post_hook, node_pre_hook, hook_on_captured_leaf,
         hook_on_captured_tensor, python_node, two_nodes_deep, edge_not_asked_for, leaf_output,
         two_gradients, not_a_tensor_or_edge, output_is_an_input)]

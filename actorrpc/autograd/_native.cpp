@@ -137,7 +137,8 @@ PyObject* one_node_pass(PyObject* /*module*/, PyObject* args) {
   }
   Node* node = root.function.get();
   PyObject* wrapper = node->pyobj_slot()->load_pyobj();  // (a Python node: its THPFunction)
-  if ((wrapper != nullptr && THPFunction_Check(wrapper)) || runs_hooks(node)) {
+  if ((wrapper != nullptr && THPFunction_Check(wrapper)) || runs_hooks(node) ||
+      root.input_nr >= node->num_inputs()) {
     Py_RETURN_NONE;
   }
   for (uint32_t i = 0; i < node->num_inputs(); ++i) {
@@ -154,6 +155,11 @@ PyObject* one_node_pass(PyObject* /*module*/, PyObject* args) {
     }
     if (wanted[i].function.get() == node || has_capture_hooks(wanted[i].function.get())) {
       Py_RETURN_NONE;
+    }
+    for (Py_ssize_t j = 0; j < i; ++j) {  // (an input asked for twice: the engine's case)
+      if (wanted[j] == wanted[i]) {
+        Py_RETURN_NONE;
+      }
     }
   }
   const auto& next = node->next_edges();
