@@ -21,8 +21,10 @@ Python layers and engine), optional too.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
+from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
 
@@ -111,11 +113,14 @@ def _native_autograd_extension() -> list:  # type: ignore[type-arg]
     try:
         import torch
         from torch.utils.cpp_extension import include_paths, library_paths
-    except ImportError:
+    except Exception:  # noqa: BLE001 - no torch, or a broken one: build without it
         return []
+    source = Path("actorrpc/autograd/_native.cpp")
+    # (the loader compares it with the file beside the module: _functions.native_source_digest)
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
     return [Extension(
         "actorrpc.autograd._native",
-        ["actorrpc/autograd/_native.cpp"],
+        [str(source)],
         include_dirs=include_paths(),
         library_dirs=library_paths(),
         libraries=["c10", "torch", "torch_cpu", "torch_python"],
@@ -125,6 +130,7 @@ def _native_autograd_extension() -> list:  # type: ignore[type-arg]
             "-O2",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             f'-DACTORRPC_TORCH_VERSION="{torch.__version__}"',
+            f'-DACTORRPC_SOURCE_DIGEST="{digest}"',
         ],
         optional=True,
     )]

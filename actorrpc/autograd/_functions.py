@@ -21,11 +21,13 @@ receiver.
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
 import logging
 import operator
 import sys
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,7 +76,8 @@ _log = logging.getLogger("actorrpc.autograd")
 
 
 def _load_native() -> Any:
-    """The ``_native`` extension, if it was built against this torch; else None."""
+    """The ``_native`` extension, if it was built against this torch and (where its source
+    lies beside it: a checkout) from that source; else None."""
     try:
         module: Any = importlib.import_module(f"{__package__}._native")
     except ImportError:  # (not built: pip's isolated build environment has no torch)
@@ -86,7 +89,20 @@ def _load_native() -> Any:
             module.TORCH_VERSION, torch.__version__,
         )
         return None
+    source = Path(module.__file__).with_name("_native.cpp")
+    if source.is_file() and native_source_digest(source.read_bytes()) != module.SOURCE_DIGEST:
+        _log.warning(
+            "actorrpc.autograd._native was built from other sources than %s: distributed "
+            "autograd takes torch's Python API instead; rebuild it (python setup.py "
+            "build_ext --inplace)", source,
+        )
+        return None
     return module
+
+
+def native_source_digest(source: bytes) -> str:
+    """What the extension records of the source it was built from (setup.py passes it)."""
+    return hashlib.sha256(source).hexdigest()[:16]
 
 
 # Where built (setup.py), recv nodes are made and one-node passes run natively (their
@@ -389,6 +405,13 @@ def _accelerator_initialized() -> bool:
     return bool(xpu.is_initialized())
 
 
+def _compiled_autograd_enabled() -> bool:
+    """Whether torch's compiled autograd is on (the engine then compiles every pass: a
+    one-node pass must not run eagerly beside it). Off while its module is not loaded."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and bool(getattr(module, "compiled_autograd_enabled", False))
+
+
 def gradients_at(
     outputs: Sequence[Any], inputs: Sequence[Any], grad_outputs: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor | None, ...]:
@@ -420,7 +443,8 @@ def gradients_at(
     if _engine_run_backward is not None and not has_torch_function(tensors):
         run = _engine_run_backward
         if not _accelerator_initialized() and not _graph_log.isEnabledFor(logging.DEBUG):
-            if len(outputs) == 1 and _one_node_pass is not None and ONE_NODE_PASS:
+            if (len(outputs) == 1 and _one_node_pass is not None and ONE_NODE_PASS
+                    and not _compiled_autograd_enabled()):
                 grads = _one_node_pass(outputs[0], tuple(inputs), tuple(grad_outputs))
                 if grads is not None:
                     return grads  # type: ignore[no-any-return]

@@ -16,6 +16,11 @@
 //   do anything) with no hooks of any kind, and each input's node has no tensor pre-hooks
 //   or retains_grad hooks (the engine runs those on a captured gradient): a node's hooks
 //   can be registered by anyone holding it, so they are read from the node itself.
+// * Nothing it runs can tell that no graph task is current: its type saves no tensors
+//   (whose unpacking may run Python saved-tensor hooks) and is not ``CopySlices``
+//   (``runnable_type``).
+// * No input's node has edges of its own (a leaf's ``AccumulateGrad``, a native recv
+//   node): an input above another would make the engine run the nodes between them.
 // * Anomaly mode is off (the engine records and checks more), no pass is running on this
 //   thread (a node's backward asking for one), and the node's inputs and the gradients
 //   are CPU tensors (no streams to synchronise).
@@ -49,11 +54,14 @@
 #include <ATen/ops/add.h>
 #include <pybind11/pybind11.h>
 
+#include <cstring>
 #include <string>
+#include <typeindex>
+#include <unordered_map>
 #include <vector>
 
-#ifndef ACTORRPC_TORCH_VERSION
-#error "build with -DACTORRPC_TORCH_VERSION=\"<torch.__version__>\" (setup.py does)"
+#if !defined(ACTORRPC_TORCH_VERSION) || !defined(ACTORRPC_SOURCE_DIGEST)
+#error "build with -DACTORRPC_TORCH_VERSION and -DACTORRPC_SOURCE_DIGEST (setup.py does)"
 #endif
 
 namespace {
@@ -82,6 +90,41 @@ bool runs_hooks(Node* node) {
 
 bool has_capture_hooks(Node* node) {
   return !node->tensor_pre_hooks().empty() || !node->retains_grad_hooks().empty();
+}
+
+// Whether nodes of ``node``'s type may run here, outside a graph task: not if they save
+// tensors (unpacking one may run Python, saved-tensor hooks such as non-reentrant
+// ``torch.utils.checkpoint``'s, which would see no backward pass running: a recomputation
+// per unpack instead of one per pass), nor ``CopySlices`` (it runs the function it
+// wraps, which may be a Python node). A type saves tensors if its Python class has
+// ``_raw_saved_*`` properties, as torch's generated nodes do for each saved tensor.
+// Worked out once per type; the GIL guards the table.
+bool runnable_type(Node* node) {
+  static std::unordered_map<std::type_index, bool> known;
+  const std::type_index key(typeid(*node));
+  if (auto found = known.find(key); found != known.end()) {
+    return found->second;
+  }
+  bool runnable = node->name() != "torch::autograd::CopySlices";
+  if (runnable) {
+    PyObject* wrapper = torch::autograd::functionToPyObject(
+        c10::intrusive_ptr<Node>::reclaim_copy(node));
+    if (wrapper == nullptr) {
+      PyErr_Clear();
+      runnable = false;
+    } else {
+      for (PyGetSetDef* property = Py_TYPE(wrapper)->tp_getset;
+           property != nullptr && property->name != nullptr; ++property) {
+        if (std::strncmp(property->name, "_raw_saved_", 11) == 0) {
+          runnable = false;
+          break;
+        }
+      }
+      Py_DECREF(wrapper);
+    }
+  }
+  known.emplace(key, runnable);
+  return runnable;
 }
 
 // Where a tensor or a ``GradientEdge(node, output_nr, ...)`` asks for (or starts) a
@@ -138,7 +181,7 @@ PyObject* one_node_pass(PyObject* /*module*/, PyObject* args) {
   Node* node = root.function.get();
   PyObject* wrapper = node->pyobj_slot()->load_pyobj();  // (a Python node: its THPFunction)
   if ((wrapper != nullptr && THPFunction_Check(wrapper)) || runs_hooks(node) ||
-      root.input_nr >= node->num_inputs()) {
+      root.input_nr >= node->num_inputs() || !runnable_type(node)) {
     Py_RETURN_NONE;
   }
   for (uint32_t i = 0; i < node->num_inputs(); ++i) {
@@ -153,8 +196,12 @@ PyObject* one_node_pass(PyObject* /*module*/, PyObject* args) {
     if (!edge_of(PyTuple_GET_ITEM(inputs, i), wanted[i]) || !wanted[i].function) {
       Py_RETURN_NONE;
     }
-    if (wanted[i].function.get() == node || has_capture_hooks(wanted[i].function.get())) {
+    Node* input_node = wanted[i].function.get();
+    if (input_node == node || has_capture_hooks(input_node)) {
       Py_RETURN_NONE;
+    }
+    if (!input_node->next_edges().empty()) {
+      Py_RETURN_NONE;  // an input above another: the engine would run the nodes between
     }
     for (Py_ssize_t j = 0; j < i; ++j) {  // (an input asked for twice: the engine's case)
       if (wanted[j] == wanted[i]) {
@@ -201,7 +248,12 @@ PyObject* one_node_pass(PyObject* /*module*/, PyObject* args) {
     for (size_t e = 0; e < next.size(); ++e) {
       if (positions[e] >= 0 && grads[e].defined()) {
         auto& slot = results[positions[e]];
-        slot = slot.defined() ? at::add(slot, grads[e]) : std::move(grads[e]);
+        if (!slot.defined()) {
+          slot = std::move(grads[e]);
+        } else {  // (the engine's order: a dense gradient first where the other is sparse)
+          slot = slot.is_sparse() && !grads[e].is_sparse() ? at::add(grads[e], slot)
+                                                           : at::add(slot, grads[e]);
+        }
       }
     }
   }
@@ -231,6 +283,14 @@ struct RecvRpcBackward : public Node {
 
   std::string name() const override {
     return "RecvRpcBackward";
+  }
+
+  // compiled autograd: nothing to collect (its backward depends on none of its fields)
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {}
+
+  variable_list apply_with_saved(const variable_list& /*inputs*/,
+                                 torch::dynamo::autograd::SwapSavedVariables& /*saved*/) override {
+    return {};
   }
 
   const int64_t context_id;
@@ -336,9 +396,11 @@ PyMODINIT_FUNC PyInit__native() {
                                                recv_node_properties, recv_node_methods);
     torch::autograd::registerCppFunction(typeid(RecvRpcBackward), &recv_node_type);
   }
-  // the torch it was built against: its structures are read directly, so the loader
-  // refuses the module under any other torch (``_functions._load_native``)
+  // the torch it was built against (its structures are read directly) and the digest of
+  // this file: the loader refuses the module under any other torch, or beside another
+  // version of this file (``_functions._load_native``)
   if (PyModule_AddStringConstant(created, "TORCH_VERSION", ACTORRPC_TORCH_VERSION) < 0 ||
+      PyModule_AddStringConstant(created, "SOURCE_DIGEST", ACTORRPC_SOURCE_DIGEST) < 0 ||
       PyModule_AddObjectRef(created, "RecvRpcBackward", (PyObject*)&recv_node_type) < 0) {
     Py_DECREF(created);
     return nullptr;
