@@ -101,7 +101,6 @@ STREAMING_COPY = Extension(
 )
 
 
-
 def _native_autograd_extension() -> list:  # type: ignore[type-arg]
     """Distributed autograd's native steps (``actorrpc/autograd/_native.cpp``), built
     against the torch this build environment has: optional, and only where torch is
@@ -116,6 +115,8 @@ def _native_autograd_extension() -> list:  # type: ignore[type-arg]
     except Exception:  # noqa: BLE001 - no torch, or a broken one: build without it
         return []
     source = Path("actorrpc/autograd/_native.cpp")
+    if not source.is_file():
+        return []
     # (the loader compares it with the file beside the module: _functions.native_source_digest)
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
     return [Extension(
