@@ -39,7 +39,8 @@ def _quiet_agent() -> Any:
     """What ``QuietWatch`` reads of an agent, all quiet."""
     return SimpleNamespace(
         _pending={}, _soon=queue.SimpleQueue(), riders=SimpleNamespace(queued={}, waiting={}),
-        _pool=_Pool(), _inflight=0, liveness=SimpleNamespace(dead_peers={}),
+        _pool=_Pool(), _inflight=0,
+        liveness=SimpleNamespace(dead_peers={}, pings_in_flight=lambda: 0),
     )
 
 
@@ -92,7 +93,7 @@ def _make_busy(agent: Any, busy: str) -> Any:
 def test_what_was_queued_after_the_last_look_cancels_the_long_wait() -> None:
     agent, watch = _quiet_agent(), QuietWatch()
     assert watch.begin(agent) and watch.waiting and watch.long_waits == 1
-    watch.end(woken=False)  # timed out: still quiet
+    watch.end()  # timed out: still quiet
     assert not watch.waiting
     watch.limit(agent, 100.0)
     assert watch.limit(agent, 100.0 + QUIET_SECONDS) == QUIET_POLL
@@ -101,8 +102,40 @@ def test_what_was_queued_after_the_last_look_cancels_the_long_wait() -> None:
     agent._soon.get_nowait()
     assert watch.limit(agent, 100.0 + QUIET_SECONDS) == MAX_POLL  # quiet again from here
     assert watch.begin(agent)
-    watch.end(woken=True)  # something ended it: not quiet any more
+    watch.nudge_if_waiting()  # something was queued: not quiet any more
+    watch.end()
     assert watch.limit(agent, 100.0 + 2 * QUIET_SECONDS) == MAX_POLL
+
+
+def test_a_liveness_check_in_flight_leaves_a_worker_quiet() -> None:
+    agent, watch = _quiet_agent(), QuietWatch()
+    watch.limit(agent, 100.0)
+    agent._pending[7] = object()  # the PING's pending call
+    agent.liveness.pings_in_flight = lambda: 1
+    assert watch.limit(agent, 100.0 + QUIET_SECONDS) == QUIET_POLL
+    assert watch.begin(agent)
+    watch.end()
+    agent._pending[8] = object()  # a call besides it
+    assert watch.limit(agent, 100.0 + 2 * QUIET_SECONDS) == MAX_POLL
+
+
+@pytest.mark.parametrize(("timeout", "liveness_check", "nudged"), [
+    (QUIET_POLL, True, False),  # a PING due after the longest wait: its end looks in time
+    (0.0, True, False),  # (no deadline)
+    (QUIET_POLL / 2, True, True),  # due before the wait would end
+    (QUIET_POLL * 10, False, True),  # any other call: its peer's liveness is timed work
+])
+def test_a_call_nudges_a_long_wait_unless_a_liveness_check_due_after_it(
+    timeout: float, liveness_check: bool, nudged: bool
+) -> None:
+    nudges: list[int] = []
+    agent, watch = _quiet_agent(), QuietWatch(nudge=lambda: nudges.append(1))
+    watch.limit(agent, 100.0)
+    watch.limit(agent, 100.0 + QUIET_SECONDS)
+    assert watch.begin(agent)
+    watch.nudge_for_call(timeout, liveness_check)
+    assert nudges == ([1] if nudged else [])
+    assert (watch.quiet_since() == 0.0) is nudged
 
 
 def test_producers_nudge_only_a_long_wait() -> None:
@@ -113,7 +146,7 @@ def test_producers_nudge_only_a_long_wait() -> None:
     assert watch.begin(agent)
     watch.nudge_if_waiting()
     assert nudges == [1]
-    watch.end(woken=True)
+    watch.end()
     watch.nudge_if_waiting()
     assert nudges == [1]
 
@@ -171,19 +204,14 @@ def test_a_nudge_after_close_is_harmless() -> None:
 
 # -- a real group whose I/O threads would wait 600 s ------------------------------------------
 
-_GROUP = r'''
+# what both scripts below begin with
+_PRELUDE = r'''
 import gc, multiprocessing as mp, os, sys, time, threading
 import torch
 import actorrpc as rpc
 from actorrpc.agent import _timed_work
 from actorrpc.agent._agent import current_agent
 from actorrpc.agent._timed_work import QuietWatch
-
-
-def quiet():
-    # a long wait once quiet for 50 ms; without a nudge nothing would end it in time
-    _timed_work.QUIET_SECONDS = 0.05
-    _timed_work.QUIET_POLL = 600.0
 
 
 def options():
@@ -194,6 +222,14 @@ def watch_parent(parent):
     while os.getppid() == parent:  # (a parent killed at a timeout leaves no worker behind)
         threading.Event().wait(0.5)
     os._exit(3)
+'''
+
+_GROUP = _PRELUDE + r'''
+
+def quiet():
+    # a long wait once quiet for 50 ms; without a nudge nothing would end it in time
+    _timed_work.QUIET_SECONDS = 0.05
+    _timed_work.QUIET_POLL = 600.0
 
 
 def peer(done, began, parent):
@@ -295,3 +331,93 @@ def test_a_quiet_group_still_does_its_timed_work_on_time(tmp_path, monkeypatch) 
     output = run_script(tmp_path, _GROUP, timeout=55)
     assert "timed out on time" in output and output.rstrip().endswith("ok"), output
 
+
+
+# -- liveness checks leave a quiet group quiet ------------------------------------------------
+
+_PROBED = _PRELUDE + r'''
+
+def until(condition, what, seconds=20):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        threading.Event().wait(0.005)
+
+
+def quiet_for_a_while(agent):
+    since = agent.quiet.quiet_since()
+    return since > 0 and time.monotonic() - since >= _timed_work.QUIET_SECONDS
+
+
+def peer(ask, answers, leave, parent):
+    threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
+    _timed_work.QUIET_SECONDS = 0.2
+    rpc.init_rpc("w1", rank=1, world_size=2, rpc_backend_options=options())
+    agent = current_agent()
+
+    def answer():  # its quiet stretch's start, read in place (a message would end it)
+        while True:
+            ask.wait()
+            ask.clear()
+            answers.put(agent.quiet.quiet_since() if quiet_for_a_while(agent) else 0.0)
+
+    threading.Thread(target=answer, daemon=True).start()
+    leave.wait(60)
+    rpc.shutdown(timeout=60)  # (waits there for w0, probing it about once a second)
+
+
+def peer_quiet_since(ask, answers):
+    ask.set()
+    return answers.get(timeout=30)
+
+
+if __name__ == "__main__":
+    import faulthandler
+    faulthandler.dump_traceback_later(50, exit=True)  # (a hang shows where)
+    _timed_work.QUIET_SECONDS = 0.2
+    context = mp.get_context("spawn")
+    ask, answers, leave = context.Event(), context.Queue(), context.Event()
+    process = context.Process(target=peer, args=(ask, answers, leave, os.getpid()), daemon=True)
+    process.start()
+    rpc.init_rpc("w0", rank=0, world_size=2, rpc_backend_options=options())
+    agent = current_agent()
+    for i in range(20):  # (enough for the same-host rings)
+        assert rpc.rpc_sync("w1", torch.add, args=(i, 1)) == i + 1
+
+    # both quiet, then w0 checks w1's liveness: neither the PING nor its answer ends it
+    until(lambda: quiet_for_a_while(agent), "w0's quiet")
+    until(lambda: peer_quiet_since(ask, answers) > 0, "w1's quiet")
+    peer_since = peer_quiet_since(ask, answers)
+    since = agent.quiet.quiet_since()
+    served = agent.stats.requests_served[1]
+    agent.liveness.probe(1)
+    until(lambda: agent.liveness.pings_in_flight() == 0, "the answer to the liveness check")
+    assert agent.liveness.last_seen[1] > since
+    assert agent.quiet.quiet_since() == since, "the answer to a liveness check ended w0's quiet"
+    assert peer_quiet_since(ask, answers) == peer_since, "a liveness check ended w1's quiet"
+    print("a liveness check left both quiet")
+
+    # w1 waits in shutdown: its barrier's probes of w0 leave w0 quiet
+    leave.set()
+    until(lambda: agent.stats.requests_served[1] >= served + 3, "three probes by w1's barrier",
+          seconds=30)
+    assert agent.quiet.quiet_since() == since, "w1's probes from shutdown ended w0's quiet"
+    assert agent.quiet.long_waits > 0
+    print("probes from shutdown left w0 quiet")
+    rpc.shutdown(timeout=60)
+    process.join(60)
+    assert process.exitcode == 0, process.exitcode
+    print("ok")
+'''
+
+
+def test_liveness_checks_leave_a_quiet_group_quiet(tmp_path, monkeypatch) -> None:
+    """A worker waiting in ``shutdown`` probes the ranks it waits for about once a second:
+    counted as activity, those probes and their answers kept both workers' I/O threads
+    looking at their timed work ~20 times a second instead of once."""
+    monkeypatch.setenv("INIT", f"tcp://127.0.0.1:{free_port()}")
+    output = run_script(tmp_path, _PROBED, timeout=55)
+    assert "a liveness check left both quiet" in output, output
+    assert "probes from shutdown left w0 quiet" in output and output.rstrip().endswith("ok"), (
+        output
+    )

@@ -403,7 +403,7 @@ class Agent(MessageDispatcher):
         )
         if timeout > 0:
             self._deadlines.add(time.monotonic() + timeout, message_id)
-        self.quiet.nudge_if_waiting()  # (its deadline and liveness are timed work)
+        self.quiet.nudge_for_call(timeout, kind == MessageKind.PING)
         traced = self.tracer.enabled  # recorded before sending: the reply may come first
         if traced:
             self.tracer.call_sent(message_id, dest.id, description or kind.name,

@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from ._rendezvous import GroupMember
     from ._riders import Riders
     from ._shared_buffers import SharedBuffers
+    from ._timed_work import QuietWatch
 
 __all__ = ["MessageDispatcher"]
 
@@ -113,6 +114,7 @@ class MessageDispatcher(ReplySettling):
     _last_warning: float
     _suppressed_warnings: int
     shared: SharedBuffers
+    quiet: QuietWatch
 
     def _send(
         self, dest_rank: int, kind: MessageKind, message_id: int, body: bytes, buffers: list[Any]
@@ -400,6 +402,10 @@ class MessageDispatcher(ReplySettling):
             len(frames[0]) if len(frames) == 1 else sum(map(len, frames))
         )
         is_response = header.kind in RESPONSE_KINDS
+        # (a liveness check, or its answer, leaves a quiet worker quiet)
+        if (header.kind != _PING or header.flags & FLAG_RIDERS) and not (
+                is_response and self._answers_liveness_check(header.message_id)):
+            self.quiet.interrupted()
         later: list[tuple[MessageKind, Any]] | None = None  # riders handled after the request
         try:
             if header.flags & FLAG_INLINE_PAYLOAD and len(frames) > 1:
@@ -444,6 +450,11 @@ class MessageDispatcher(ReplySettling):
             self._on_response(header.kind, header.sender, header.message_id, parts)
         else:
             self._on_request(header.kind, header.sender, header.message_id, parts, later)
+
+    def _answers_liveness_check(self, message_id: int) -> bool:
+        """Whether ``message_id`` is a liveness PING of this worker's, still unanswered."""
+        pending = self._pending.get(message_id)
+        return pending is not None and pending.kind == _PING
 
     def serve_deferred(self, deferred: DeferredRiders) -> None:
         """Handle notifications deferred past their carrier (once, see ``_deferred_riders``),

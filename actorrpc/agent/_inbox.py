@@ -158,6 +158,7 @@ class InboxTurns:
         self.io_wakes = 0  # times wake_io_by woke the I/O thread early (statistics)
         self.io_flow_polls = 0  # I/O thread receives that polled first (statistics)
         self._io_flowing = False  # the I/O thread's last receive returned messages
+        self._io_woken = False  # its last quiet wait ended early: it receives next
         self._claiming = False  # the holder is a pool thread that runs the next request
         self._claimed: tuple[Any, ...] | None = None
 
@@ -281,13 +282,16 @@ class InboxTurns:
                 try:
                     self._io_receiving, self._io_wakes_at = True, float("inf")
                     wait = 0.0 if self.probing else seconds_to_timed_work(agent)
-                    if wait > MAX_POLL and agent.quiet.begin(agent):
-                        self._wait_quietly(agent, wait)
+                    if wait > MAX_POLL and not self._io_woken and agent.quiet.begin(agent):
+                        self._io_woken = self._wait_quietly(agent, wait)
                     else:
-                        messages = self._io_receive(agent, wait)
-                        if messages:
-                            agent.quiet.interrupted()
-                        for message in messages:
+                        # (after a quiet wait that something ended: no longer than MAX_POLL,
+                        # a wait that nudges would not end)
+                        messages = self._io_receive(
+                            agent, min(wait, MAX_POLL) if self._io_woken else wait
+                        )
+                        self._io_woken = False
+                        for message in messages:  # (each but liveness checks: not quiet)
                             agent._on_message(message)
                 finally:
                     self._io_receiving, self._io_wakes_at = False, 0.0
@@ -319,15 +323,15 @@ class InboxTurns:
         self._io_flowing = bool(messages)
         return messages
 
-    def _wait_quietly(self, agent: Agent, wait: float) -> None:
+    def _wait_quietly(self, agent: Agent, wait: float) -> bool:
         """A quiet worker's I/O thread waits up to ``wait`` seconds for what may wake it
-        (``_timed_work.QuietWatch``), holding the inbox; it receives afterwards."""
+        (``_timed_work.QuietWatch``), holding the inbox; it receives afterwards. Whether
+        something (a message, a wake-up, a nudge) ended the wait early."""
         self._io_wakes_at = time.monotonic() + wait
-        woken = True
         try:
-            woken = agent._transport.wait_quietly(wait)
+            return agent._transport.wait_quietly(wait)
         finally:
-            agent.quiet.end(woken)
+            agent.quiet.end()
             self._io_flowing = False
 
     def wake_io_by(self, when: float, wake_receive: Callable[[], None]) -> None:

@@ -33,10 +33,14 @@ class QuietWatch:
     """Whether a worker is quiet enough for its I/O thread's long wait, and whether it
     waits so now (:attr:`waiting`).
 
-    Quiet: no call pending, no request being served, no pool thread at work, nothing
-    queued for the I/O thread or to ride on a message, no dead peer to check again; and
-    every look at the timed work for :data:`QUIET_SECONDS` found it so, with no message
-    received by the I/O thread nor a turn of another thread on the inbox in between.
+    Quiet: no call pending (liveness PINGs aside), no request being served, no pool
+    thread at work, nothing queued for the I/O thread or to ride on a message, no dead
+    peer to check again; and every look at the timed work for :data:`QUIET_SECONDS`
+    found it so, with no message received (liveness PINGs and their answers aside:
+    ``MessageDispatcher._on_message``), no nudge, nor a turn of another thread on the
+    inbox in between. A worker waiting in ``shutdown`` probes the ranks it waits for
+    once a second; counted, those probes kept both workers from ever being quiet (~20
+    looks a second each instead of one).
 
     Invariant (no lost wake-up): the I/O thread sets :attr:`waiting` before its last
     look at what other threads queue (:meth:`begin`); they queue first, then read
@@ -46,7 +50,8 @@ class QuietWatch:
     and a change of the riders' tables that applied finalizers' adds made meanwhile,
     ``put_back``). Held requests, riding replies and deferred riders ask for a look by
     their due time (``InboxTurns.wake_io_by``), which ends the wait through the inbox
-    (``Transport.wake``); what arrives by message ends it anyway.
+    (``Transport.wake``); what arrives by message ends it anyway. A liveness PING due
+    after :data:`QUIET_POLL` does not nudge (:meth:`nudge_for_call`).
     """
 
     def __init__(self, nudge: Callable[[], None] = lambda: None) -> None:
@@ -59,6 +64,7 @@ class QuietWatch:
         """Something was queued for the I/O thread's timed work: end its quiet wait, if
         it waits so (call after queueing: see the invariant above)."""
         if self.waiting:
+            self._since = 0.0
             self.nudge()
 
     def quiet_since(self) -> float:
@@ -71,8 +77,7 @@ class QuietWatch:
 
     def limit(self, agent: Agent, now: float) -> float:
         """How long the I/O thread may wait as far as quiet goes."""
-        if not (_nothing_queued(agent) and agent._inflight == 0
-                and not agent.liveness.dead_peers):
+        if not _nothing_queued(agent) or agent.liveness.dead_peers:
             self._since = 0.0
             return MAX_POLL
         if not self._since:
@@ -90,16 +95,26 @@ class QuietWatch:
         self._since = 0.0
         return False
 
-    def end(self, woken: bool) -> None:
+    def nudge_for_call(self, timeout: float, liveness_check: bool) -> None:
+        """A call was made (its deadline, ``timeout`` seconds from now, and its peer's
+        liveness are timed work): end a long wait, unless it is a liveness check due after
+        the longest wait, whose end looks at it in time."""
+        if liveness_check and (timeout <= 0 or timeout >= QUIET_POLL):
+            return
+        self.nudge_if_waiting()
+
+    def end(self) -> None:
+        """The long wait ended (a nudge ended the quiet when given; a message does when
+        dispatched, unless it is a liveness check or its answer)."""
         self.waiting = False
-        if woken:
-            self._since = 0.0
 
 
 def _nothing_queued(agent: Agent) -> bool:
-    """No call pending, nothing queued for the I/O thread, the pool or a message."""
-    return (not agent._pending and agent._soon.empty() and not agent.riders.queued
-            and not agent.riders.waiting and agent._pool.all_idle())
+    """No call pending (liveness PINGs aside), no request in flight, nothing queued for
+    the I/O thread, the pool or a message."""
+    return (len(agent._pending) <= agent.liveness.pings_in_flight() and agent._inflight == 0
+            and agent._soon.empty() and not agent.riders.queued and not agent.riders.waiting
+            and agent._pool.all_idle())
 
 
 def run_timed_work(agent: Agent) -> None:
