@@ -14,9 +14,10 @@ Every build also tries one small C extension, ``actorrpc.transport._streaming_co
 (a copy into shared memory with streaming stores); it is optional: where it cannot be
 built, installing goes on without it. A build that can import torch (not pip's isolated
 build environment: ``python setup.py build_ext --inplace`` or ``pip install
---no-build-isolation``) also tries ``actorrpc.autograd._native``, C++ against torch's
-headers (a message's recv node and a local backward pass over one node, without torch's
-Python layers and engine), optional too.
+--no-build-isolation``) also tries ``actorrpc.autograd._native`` and
+``actorrpc.serialization._native_codec``, C++ against torch's headers (a message's recv
+node and a local backward pass over one node, without torch's Python layers and engine;
+a tensor's wire form made and rebuilt without numpy), optional too.
 """
 
 from __future__ import annotations
@@ -101,12 +102,13 @@ STREAMING_COPY = Extension(
 )
 
 
-def _native_autograd_extension() -> list:  # type: ignore[type-arg]
-    """Distributed autograd's native steps (``actorrpc/autograd/_native.cpp``), built
-    against the torch this build environment has: optional, and only where torch is
-    importable here (``python setup.py build_ext --inplace``, ``pip install
+def _native_extensions() -> list:  # type: ignore[type-arg]
+    """The native steps written against torch's headers, built against the torch this
+    build environment has: distributed autograd's (``actorrpc/autograd/_native.cpp``) and
+    the tensor codec's (``actorrpc/serialization/_native_codec.cpp``). Optional, and only
+    where torch is importable here (``python setup.py build_ext --inplace``, ``pip install
     --no-build-isolation``; pip's isolated build environment has no torch, and must not
-    fetch one). Without it, the same steps run through torch's Python API."""
+    fetch one). Without them, the same steps run through torch's Python API and numpy."""
     if _METADATA_ONLY.intersection(sys.argv):
         return []
     try:
@@ -114,31 +116,34 @@ def _native_autograd_extension() -> list:  # type: ignore[type-arg]
         from torch.utils.cpp_extension import include_paths, library_paths
     except Exception:  # noqa: BLE001 - no torch, or a broken one: build without it
         return []
-    source = Path("actorrpc/autograd/_native.cpp")
-    if not source.is_file():
-        return []
-    # (the loader compares it with the file beside the module: _functions.native_source_digest)
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-    return [Extension(
-        "actorrpc.autograd._native",
-        [str(source)],
-        include_dirs=include_paths(),
-        library_dirs=library_paths(),
-        libraries=["c10", "torch", "torch_cpu", "torch_python"],
-        language="c++",
-        extra_compile_args=[
-            "-std=c++20",
-            "-O2",
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            f'-DACTORRPC_TORCH_VERSION="{torch.__version__}"',
-            f'-DACTORRPC_SOURCE_DIGEST="{digest}"',
-        ],
-        optional=True,
-    )]
+    extensions = []
+    for name in ("actorrpc.autograd._native", "actorrpc.serialization._native_codec"):
+        source = Path(*name.split(".")).with_suffix(".cpp")
+        if not source.is_file():
+            continue
+        # (the loader compares it with the file beside the module: actorrpc._native_modules)
+        digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+        extensions.append(Extension(
+            name,
+            [str(source)],
+            include_dirs=include_paths(),
+            library_dirs=library_paths(),
+            libraries=["c10", "torch", "torch_cpu", "torch_python"],
+            language="c++",
+            extra_compile_args=[
+                "-std=c++20",
+                "-O2",
+                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                f'-DACTORRPC_TORCH_VERSION="{torch.__version__}"',
+                f'-DACTORRPC_SOURCE_DIGEST="{digest}"',
+            ],
+            optional=True,
+        ))
+    return extensions
 
 
 setup(
     packages=packages,
-    ext_modules=[STREAMING_COPY, *_native_autograd_extension(), *_compiled_extensions()],
+    ext_modules=[STREAMING_COPY, *_native_extensions(), *_compiled_extensions()],
     setup_requires=[MYPY_FOR_COMPILING] if _compile_requested() else [],
 )

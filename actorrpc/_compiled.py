@@ -45,11 +45,12 @@ __all__ = ["compiled_modules"]
 
 # extension modules written by hand (not by mypyc: not part of what "compiled" reports):
 # the streaming copy (C), built in every build where a compiler is present, and the
-# native steps of distributed autograd (C++ against torch's headers), where the build can
-# import torch
+# native steps of distributed autograd and the tensor codec's (C++ against torch's
+# headers), where the build can import torch
 _HAND_WRITTEN = frozenset({
     "actorrpc.transport._streaming_copy",
     "actorrpc.autograd._native",
+    "actorrpc.serialization._native_codec",
 })
 
 

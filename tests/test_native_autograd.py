@@ -26,6 +26,7 @@ from torch.autograd.graph import GradientEdge
 
 import actorrpc as rpc
 import actorrpc.autograd as dist_autograd
+from actorrpc import _native_modules
 from actorrpc.autograd import _functions
 
 pytestmark = pytest.mark.timeout(60)
@@ -339,26 +340,26 @@ def test_a_module_built_against_another_torch_or_source_is_refused(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Any
 ) -> None:
     stale = types.SimpleNamespace(TORCH_VERSION="1.0.0")
-    monkeypatch.setattr(_functions.importlib, "import_module", lambda name: stale)
+    monkeypatch.setattr(_native_modules.importlib, "import_module", lambda name: stale)
     with caplog.at_level(logging.WARNING, logger="actorrpc.autograd"):
         assert _functions._load_native() is None
     assert "built against torch 1.0.0" in caplog.text and torch.__version__ in caplog.text
     current = types.SimpleNamespace(TORCH_VERSION=torch.__version__, SOURCE_DIGEST="0" * 16,
                                     __file__=str(tmp_path / "_native.so"))
-    monkeypatch.setattr(_functions.importlib, "import_module", lambda name: current)
+    monkeypatch.setattr(_native_modules.importlib, "import_module", lambda name: current)
     assert _functions._load_native() is current  # (no source beside it: an installed build)
     (tmp_path / "_native.cpp").write_bytes(b"// other sources")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="actorrpc.autograd"):
         assert _functions._load_native() is None  # a stale build in a checkout
     assert "built from other sources" in caplog.text
-    current.SOURCE_DIGEST = _functions.native_source_digest(b"// other sources")
+    current.SOURCE_DIGEST = _native_modules.native_source_digest(b"// other sources")
     assert _functions._load_native() is current
 
     def missing(name: str) -> Any:
         raise ImportError(name)
 
-    monkeypatch.setattr(_functions.importlib, "import_module", missing)
+    monkeypatch.setattr(_native_modules.importlib, "import_module", missing)
     assert _functions._load_native() is None
 
 

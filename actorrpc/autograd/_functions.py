@@ -21,19 +21,17 @@ receiver.
 from __future__ import annotations
 
 import copy
-import hashlib
-import importlib
 import logging
 import operator
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import has_torch_function
 
+from .._native_modules import load_native
 from ._nodes import RecvRpc, SendRpc
 
 try:  # torch.autograd.grad's own way into the C++ engine
@@ -78,31 +76,8 @@ _log = logging.getLogger("actorrpc.autograd")
 def _load_native() -> Any:
     """The ``_native`` extension, if it was built against this torch and (where its source
     lies beside it: a checkout) from that source; else None."""
-    try:
-        module: Any = importlib.import_module(f"{__package__}._native")
-    except ImportError:  # (not built: pip's isolated build environment has no torch)
-        return None
-    if torch.__version__ != module.TORCH_VERSION:  # it reads torch's structures directly
-        _log.warning(
-            "actorrpc.autograd._native was built against torch %s, not this torch (%s): "
-            "distributed autograd takes torch's Python API instead; rebuild actorrpc",
-            module.TORCH_VERSION, torch.__version__,
-        )
-        return None
-    source = Path(module.__file__).with_name("_native.cpp")
-    if source.is_file() and native_source_digest(source.read_bytes()) != module.SOURCE_DIGEST:
-        _log.warning(
-            "actorrpc.autograd._native was built from other sources than %s: distributed "
-            "autograd takes torch's Python API instead; rebuild it (python setup.py "
-            "build_ext --inplace)", source,
-        )
-        return None
-    return module
-
-
-def native_source_digest(source: bytes) -> str:
-    """What the extension records of the source it was built from (setup.py passes it)."""
-    return hashlib.sha256(source).hexdigest()[:16]
+    return load_native(f"{__package__}._native", "distributed autograd takes torch's Python API",
+                       _log)
 
 
 # Where built (setup.py), recv nodes are made and one-node passes run natively (their

@@ -27,21 +27,30 @@ Two wire forms, both rebuilt without copying the data again:
 Anything else (CUDA, sparse, quantized, conjugate or negative bits) is left to
 torch's own reduction (:func:`reduce_tensor` returns ``NotImplemented``).
 
+Where the optional extension ``_native_codec`` was built (C++ against torch's headers:
+``setup.py``), the array form and the one-element case of the strided array form are
+made and rebuilt there, byte for byte the same on the wire, without numpy or torch's
+Python layers (``Tensor.numpy()`` alone runs four dispatcher operators); it declines
+(returns None) whatever it does not handle, and the paths below take it. ``NATIVE``
+switches it off (same-run A/Bs: ``benchmarks/ab_switch.py``).
+
 The three rebuild functions travel as pickle extension codes, not by name
 (:mod:`._extension_codes`).
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from .._native_modules import load_native
 from ._extension_codes import register_extension_code
 
-__all__ = ["IN_BAND_LIMIT", "reduce_tensor"]
+__all__ = ["IN_BAND_LIMIT", "NATIVE", "reduce_tensor"]
 
 IN_BAND_LIMIT = 4096
 """Tensor data of at most this many bytes travels inside the pickle stream: a copy of a few
@@ -81,6 +90,10 @@ def _data(buffer: Any, nbytes: int) -> Any:
 
 def reduce_tensor(tensor: torch.Tensor) -> Any:
     """The reduction of a ``torch.Tensor`` or ``torch.nn.Parameter`` (exactly those types)."""
+    if _native_reduce is not None and NATIVE:
+        reduced = _native_reduce(tensor, type(tensor) is not torch.Tensor, IN_BAND_LIMIT)
+        if reduced is not None:
+            return reduced
     requires_grad = tensor.requires_grad
     try:  # refuses what is not a dense CPU tensor numpy can hold (either form's checks)
         array = (tensor.detach() if requires_grad else tensor).numpy()
@@ -158,6 +171,10 @@ def _finish(tensor: torch.Tensor, flags: int) -> torch.Tensor:
 
 def _rebuild_from_array(code: int, shape: tuple[int, ...], flags: int, data: Any) -> torch.Tensor:
     """The tensor of the array form (see the module docstring)."""
+    if _native_rebuild is not None and NATIVE:
+        rebuilt = _native_rebuild(code, shape, None, flags, data)
+        if rebuilt is not None:
+            return rebuilt  # type: ignore[no-any-return]
     tensor = torch.from_numpy(np.frombuffer(data, _ARRAY_DTYPES[code]).reshape(shape))
     return _finish(tensor, flags) if flags else tensor
 
@@ -167,6 +184,10 @@ def _rebuild_from_strided_array(
 ) -> torch.Tensor:
     """The tensor of the strided array form (see the module docstring). numpy refuses
     strides that reach beyond ``data``."""
+    if _native_rebuild is not None and NATIVE:
+        rebuilt = _native_rebuild(code, shape, strides, flags, data)
+        if rebuilt is not None:
+            return rebuilt  # type: ignore[no-any-return]
     dtype = _ARRAY_DTYPES[code]
     itemsize = dtype.itemsize
     byte_strides = tuple(map(itemsize.__mul__, strides))  # (no Python frame)
@@ -253,6 +274,15 @@ def _reduce_general(tensor: torch.Tensor) -> Any:
         ),
     )
 
+
+NATIVE = True
+_native_codec = load_native(f"{__package__}._native_codec", "tensors go through numpy",
+                            logging.getLogger("actorrpc.serialization"))
+_native_reduce: Any = None
+_native_rebuild: Any = None
+if _native_codec is not None:
+    _native_codec.configure(_rebuild_from_array, _rebuild_from_strided_array)
+    _native_reduce, _native_rebuild = _native_codec.reduce, _native_codec.rebuild
 
 # (indexes are part of the wire format: see ``_extension_codes``)
 register_extension_code(_rebuild_from_array, 0, memoized=True)
