@@ -405,10 +405,14 @@ def test_the_native_recv_node_is_what_recv_rpc_makes(monkeypatch: pytest.MonkeyP
     # a plain local backward stops at it: nothing flows to the received tensors
     loss.backward()
     assert all(tensor.grad is None for tensor in received)
-    # an output may be changed in place, as a received tensor may (it shares the data)
+    # an output may be changed in place, as a received tensor may (it shares the data and,
+    # as detach() would, the version counter: autograd sees the change through either)
     before = received[2].detach().clone()
+    versions = (received[2]._version, python_outputs[2]._version)
     native_outputs[2].add_(1)
     torch.testing.assert_close(received[2].detach(), before + 1)
+    assert received[2]._version == versions[0] + 1 == native_outputs[2]._version
+    assert python_outputs[2]._version == versions[1] + 1
 
 
 @needs_native

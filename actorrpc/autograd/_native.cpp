@@ -31,7 +31,8 @@
 //
 // ``recv_outputs(tensors, context_id, message_id, sender)`` makes a message's recv
 // function: a ``RecvRpcBackward`` C++ node tagged with the message, and for each received
-// tensor a new tensor sharing its data (``detach``: not a view) whose grad_fn is that node.
+// tensor a new tensor sharing its data and version counter (what ``detach`` makes, without
+// a dispatch) whose grad_fn is that node.
 // It does what ``RecvRpc.apply`` (``_nodes``) does, without a Python node, its context
 // object and the Function machinery (~7 µs warm per message). The node has no next edges:
 // a local pass never runs it (it asks for the gradient at its outputs, which must travel
@@ -355,7 +356,13 @@ PyObject* recv_outputs(PyObject* /*module*/, PyObject* args) {
     return nullptr;
   }
   for (Py_ssize_t i = 0; i < count; ++i) {
-    at::Tensor output = THPVariable_Unpack(PyTuple_GET_ITEM(tensors, i)).detach();
+    // what ``detach()`` makes, without its dispatch: a non-differentiable view (the same
+    // data and metadata, the received tensor's version counter, fixed metadata) with an
+    // autograd history of its own
+    const at::Tensor& received = THPVariable_Unpack(PyTuple_GET_ITEM(tensors, i));
+    at::Tensor output(received.unsafeGetTensorImpl()->shallow_copy_and_detach(
+        torch::autograd::impl::version_counter(received),
+        /*allow_tensor_metadata_change=*/false));
     torch::autograd::set_history(output, node);
     PyObject* wrapped = THPVariable_Wrap(std::move(output));
     if (wrapped == nullptr) {
