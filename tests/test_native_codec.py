@@ -196,7 +196,7 @@ def test_requires_grad_and_the_strided_form_rebuild_as_numpys_path(
 @pytest.mark.parametrize("case", [
     "read_only", "misaligned", "too_short", "too_long", "negative_size", "parameter",
     "integer_requiring_grad", "unknown_code", "empty", "strides_beyond_data",
-    "not_a_buffer",
+    "not_a_buffer", "sizes_wrapping_around", "strides_wrapping_around",
 ])
 def test_rebuilds_it_leaves_to_numpys_path(case: str) -> None:
     good = torch.arange(6, dtype=torch.float32).numpy().tobytes()
@@ -223,6 +223,10 @@ def test_rebuilds_it_leaves_to_numpys_path(case: str) -> None:
         shape, data_any = (0, 3), bytearray()
     elif case == "strides_beyond_data":
         strides = (3, 2)
+    elif case == "sizes_wrapping_around":  # (the product is 6 modulo 2**64: what the data holds)
+        shape = ((6 + 3 * 2**64) // 9, 9)
+    elif case == "strides_wrapping_around":
+        shape, strides = (2, 3), (2**62, 1)
     else:
         data_any = 12
     assert _rebuild(code, shape, strides, flags, data_any) is None

@@ -249,16 +249,20 @@ PyObject* rebuild(PyObject* /*module*/, PyObject* args) {
   if (!read_counts(shape_object, sizes)) {
     Py_RETURN_NONE;
   }
+  // (every product checked: a malformed message's sizes must not wrap around to a small
+  // count that its data would seem to hold)
   int64_t numel = 1;
   for (int64_t size : sizes) {
-    numel *= size;
+    if (__builtin_mul_overflow(numel, size, &numel)) {
+      Py_RETURN_NONE;
+    }
   }
   if (strides_object == Py_None) {
     strides.resize(sizes.size());
     int64_t step = 1;
     for (size_t i = sizes.size(); i-- > 0;) {
       strides[i] = step;
-      step *= std::max<int64_t>(sizes[i], 1);
+      step *= std::max<int64_t>(sizes[i], 1);  // (no overflow: numel did not)
     }
   } else if (!read_counts(strides_object, strides) || strides.size() != sizes.size()) {
     Py_RETURN_NONE;
@@ -266,19 +270,26 @@ PyObject* rebuild(PyObject* /*module*/, PyObject* args) {
   if (numel == 0) {
     Py_RETURN_NONE;
   }
+  const int64_t itemsize = static_cast<int64_t>(c10::elementSize(type));
   int64_t span = 1;  // elements from the first to the last the view reaches
   for (size_t i = 0; i < sizes.size(); ++i) {
-    span += (sizes[i] - 1) * strides[i];
+    int64_t reach = 0;
+    if (__builtin_mul_overflow(sizes[i] - 1, strides[i], &reach) ||
+        __builtin_add_overflow(span, reach, &span)) {
+      Py_RETURN_NONE;
+    }
   }
-  const int64_t itemsize = static_cast<int64_t>(c10::elementSize(type));
+  int64_t needed = 0;  // bytes the data must hold (exactly, for the array form)
+  if (__builtin_mul_overflow(strides_object == Py_None ? numel : span, itemsize, &needed)) {
+    Py_RETURN_NONE;
+  }
   auto* view = new Py_buffer;
   if (PyObject_GetBuffer(data, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
     PyErr_Clear();  // (read-only, or not a buffer: numpy's path)
     delete view;
     Py_RETURN_NONE;
   }
-  const bool fits = strides_object == Py_None ? view->len == numel * itemsize
-                                             : view->len >= span * itemsize;
+  const bool fits = strides_object == Py_None ? view->len == needed : view->len >= needed;
   if (!fits || reinterpret_cast<uintptr_t>(view->buf) % static_cast<uintptr_t>(itemsize) != 0) {
     PyBuffer_Release(view);
     delete view;
