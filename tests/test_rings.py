@@ -567,6 +567,39 @@ def test_a_busy_poll_spins_without_yielding_while_only_rings_carried_messages(
     assert clock.readings >= 5 and yields == []
 
 
+def test_a_spinning_poll_looks_at_the_socket_only_between_stretches_of_ring_looks(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A look at the socket is a system call: while a poll spins it looks at its rings alone
+    for ``_SOCKET_LOOK_SECONDS`` between them, and still finds what comes by socket."""
+    from actorrpc.transport import _zmq
+
+    link, receiver = _spinning(pair, monkeypatch)
+    monkeypatch.setattr(_zmq, "_SHARED_CORE_SECONDS", 30.0)  # (a preempted spin goes on)
+    monkeypatch.setattr(_zmq, "_SOCKET_LOOK_SECONDS", 30.0)
+    looks: list[int] = []
+    has_message = receiver._socket_has_message
+    monkeypatch.setattr(receiver, "_socket_has_message", lambda: looks.append(1) or has_message())
+    # the ring's message is written after a few rounds of the ring-only stretch
+    clock = _Clock(8, lambda: link.send([b"AR-header", b"by ring"]))
+    monkeypatch.setattr(_zmq, "_monotonic", clock)
+    assert _polled(receiver) == [b"by ring"]
+    # the socket before the poll and once in it, then the rings alone (every round: ~8)
+    assert clock.readings >= 8 and len(looks) <= 2
+    # with looks at the socket every 10 µs, a message by socket is found while spinning
+    monkeypatch.setattr(_zmq, "_monotonic", time.monotonic)
+    monkeypatch.setattr(_zmq, "_SOCKET_LOOK_SECONDS", 0.00001)
+    sender, _ = pair
+    third = Transport(b"2:third", secret="s", security="plain")
+    try:
+        third.link(b"1:receiver", receiver.endpoint).send([b"AR-header", b"by socket"])
+        _quiet(receiver)  # (still spinning: no socket activity seen yet)
+        assert _polled(receiver) == [b"by socket"]
+        assert receiver.spins >= 2 and len(looks) >= 2
+    finally:
+        third.close()
+
+
 def test_a_busy_poll_yields_from_the_start_after_a_socket_message(
     pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
