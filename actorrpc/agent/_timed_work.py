@@ -37,8 +37,8 @@ class QuietWatch:
     thread at work, nothing queued for the I/O thread or to ride on a message, no dead
     peer to check again; and every look at the timed work for :data:`QUIET_SECONDS`
     found it so, with no message received (liveness PINGs and their answers aside:
-    ``MessageDispatcher._on_message``), no nudge, nor a turn of another thread on the
-    inbox in between. A worker waiting in ``shutdown`` probes the ranks it waits for
+    ``MessageDispatcher._on_message``), no nudge ending a long wait, nor a turn of another
+    thread on the inbox in between. A worker waiting in ``shutdown`` probes the ranks it waits for
     once a second; counted, those probes kept both workers from ever being quiet (~20
     looks a second each instead of one).
 
