@@ -60,9 +60,9 @@ pickle written as its code alone; the next one goes through :func:`registered_ob
 # (module, qualified name, code) of each registration: the key pickle's save_global looks up
 _wanted: list[tuple[str, str, int]] = []
 _by_code: dict[int, Any] = {}  # each registered object, by its code
-memoized_codes: dict[int, int] = {}
-"""``id(obj)`` -> code, for the registered objects a message may carry many times (the
-wire's pickler consults it: see the module docstring)."""
+memoized_codes: dict[int, tuple[int, str]] = {}
+"""``id(obj)`` -> (code, qualified name), for the registered objects a message may carry
+many times (the wire's pickler consults it: see the module docstring)."""
 
 
 def register_extension_code(obj: Any, index: int, memoized: bool = False) -> None:
@@ -74,7 +74,7 @@ def register_extension_code(obj: Any, index: int, memoized: bool = False) -> Non
     _wanted.append((module, name, code))
     _by_code[code] = obj
     if memoized:
-        memoized_codes[id(obj)] = code  # (the object lives as long as its module)
+        memoized_codes[id(obj)] = code, name  # (the object lives as long as its module)
     try:
         copyreg.add_extension(module, name, code)
     except ValueError:

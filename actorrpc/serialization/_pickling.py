@@ -274,11 +274,15 @@ class _WirePickler(pickle.Pickler):
         cls = type(obj)
         if cls is torch.Tensor or cls is torch.nn.Parameter:
             return reduce_tensor(obj)
-        code = memoized_codes.get(id(obj))
-        if code is not None:  # its code alone the first times, then memoized (the memo
-            # answers later saves before this is asked again: see _extension_codes)
+        registered = memoized_codes.get(id(obj))
+        if registered is not None:  # its code alone the first times, then memoized (the
+            # memo answers later saves before this is asked again: see _extension_codes)
             self.memoized_saves = saves = self.memoized_saves + 1
-            return NotImplemented if saves <= MEMOIZED_AFTER else (registered_object, (code,))
+            if saves > MEMOIZED_AFTER:
+                return registered_object, (registered[0],)
+            # its name: pickle writes the global (as its code) without first asking the
+            # object for a reduction (a compiled function's __reduce_ex__ and __reduce__)
+            return registered[1]
         reducer = _reducers.get(cls)
         if reducer is not None:
             return reducer(obj)
