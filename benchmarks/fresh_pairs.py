@@ -1,13 +1,15 @@
 """Metrics in many fresh worker pairs, one after another: a property of a pair, or a moment?
 
     python benchmarks/fresh_pairs.py [--pairs 20] [--metrics rpc_sync,autograd]
-                                     [--backend actorrpc] [--pin] [--hash-seed random|N]
-                                     [--quick] [--json PATH]
+                                     [--backends actorrpc[,torch]] [--pin]
+                                     [--hash-seed random|N] [--quick] [--json PATH]
 
 Each pair is bench_rpc.py's (two spawned processes; rank 0 measures, rank 1 serves) with
-one campaign round's iterations (``--quick``: the smoke test's). One line per pair: when
-it started, its hash seed, each metric's median. Then, per metric, the range and the
-pairs slower than 1.2 times the median ("slow"), with their places in the sequence.
+one campaign round's iterations (``--quick``: the smoke test's); with several
+``--backends``, each place in the sequence runs one pair of each, back to back. One line
+per pair: its place, when it started, its hash seed, each metric's median. Then, per
+backend and metric, the range and the pairs slower than 1.2 times the median ("slow"),
+with their places: a moment of the host slows the pairs of every backend at one place.
 
 A slow round of a campaign is either a property of that process pair (what differs from
 one fresh pair to the next: the hash seed, the address layout, the pages its shared
@@ -51,16 +53,18 @@ def pair_config(quick: bool, pin: bool) -> Config:
     return replace(base, init_rounds=1, pin="split" if pin else "none")
 
 
-def summarize(rows: list[dict[str, Any]], metric: str) -> str:
-    """One line for ``metric``: the range of the pairs' medians and the slow pairs."""
+def summarize(rows: list[dict[str, Any]], metric: str, label: str = "") -> str:
+    """One line for ``metric`` of ``rows`` (one backend's pairs, each with its ``place``
+    in the sequence): the range of the pairs' medians and the slow pairs."""
+    name = f"{label} {metric}" if label else metric
     values = [row["medians"][metric] for row in rows if metric in row["medians"]]
     if not values:
-        return f"{metric}: no pair measured it"
+        return f"{name}: no pair measured it"
     middle = statistics.median(values)
-    slow = [(index, row["medians"][metric]) for index, row in enumerate(rows)
+    slow = [(row.get("place", index), row["medians"][metric]) for index, row in enumerate(rows)
             if row["medians"].get(metric, 0.0) > SLOW_FACTOR * middle]
-    slow_text = ", ".join(f"#{index} {value:.1f}" for index, value in slow) or "none"
-    return (f"{metric}: {len(values)} pairs, {min(values):.1f} / {middle:.1f} / "
+    slow_text = ", ".join(f"#{place} {value:.1f}" for place, value in slow) or "none"
+    return (f"{name}: {len(values)} pairs, {min(values):.1f} / {middle:.1f} / "
             f"{max(values):.1f} µs (min / median / max); slow (> {SLOW_FACTOR}x the median): "
             f"{len(slow)}: {slow_text}")
 
@@ -92,7 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pairs", type=int, default=20)
     parser.add_argument("--metrics", default="rpc_sync,autograd",
                         help=f"comma list of: {','.join(METRICS)} (medians in µs)")
-    parser.add_argument("--backend", default="actorrpc", choices=("actorrpc", "torch"))
+    parser.add_argument("--backends", default="actorrpc",
+                        help="comma list of: actorrpc,torch (each place runs one pair of each)")
     parser.add_argument("--pin", action="store_true", help="pin rank r to CPU r")
     parser.add_argument("--hash-seed", default=None,
                         help="random: each pair its own PYTHONHASHSEED (printed); N: all N")
@@ -100,9 +105,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
     args.metrics = [m for m in args.metrics.split(",") if m]
-    unknown = sorted(set(args.metrics) - set(METRICS))
-    if unknown or args.pairs < 1:
-        parser.error(f"unknown metrics {unknown}" if unknown else "--pairs must be at least 1")
+    args.backends = [b for b in args.backends.split(",") if b]
+    unknown = sorted(set(args.metrics) - set(METRICS)) + sorted(
+        set(args.backends) - {"actorrpc", "torch"})
+    if unknown or args.pairs < 1 or not args.backends:
+        parser.error(f"unknown metrics or backends {unknown}" if unknown
+                     else "--pairs must be at least 1 and --backends name one")
     if args.hash_seed not in (None, "random") and not args.hash_seed.isdigit():
         parser.error("--hash-seed is 'random' or a number")
     return args
@@ -112,19 +120,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = pair_config(args.quick, args.pin)
     rows: list[dict[str, Any]] = []
-    for index in range(args.pairs):
-        seed = str(random.randrange(1, 2**32)) if args.hash_seed == "random" else args.hash_seed
-        row = run_pair(args.backend, args.metrics, cfg, seed)
-        rows.append(row)
-        shown = " ".join(f"{m} {v:.1f}" for m, v in row["medians"].items())
-        failed = " ".join(f"{m}: {e}" for m, e in row["errors"].items())
-        print(f"#{index} {row['started']} seed {seed or '-'}: {shown} {failed}".rstrip(),
-              flush=True)
-    for metric in args.metrics:
-        print(summarize(rows, metric))
+    for place in range(args.pairs):
+        for backend in args.backends:
+            seed = (str(random.randrange(1, 2**32)) if args.hash_seed == "random"
+                    else args.hash_seed)
+            row = {"place": place, "backend": backend,
+                   **run_pair(backend, args.metrics, cfg, seed)}
+            rows.append(row)
+            shown = " ".join(f"{m} {v:.1f}" for m, v in row["medians"].items())
+            failed = " ".join(f"{m}: {e}" for m, e in row["errors"].items())
+            print(f"#{place} {backend} {row['started']} seed {seed or '-'}: {shown} "
+                  f"{failed}".rstrip(), flush=True)
+    for backend in args.backends:
+        for metric in args.metrics:
+            mine = [row for row in rows if row["backend"] == backend]
+            print(summarize(mine, metric, backend if len(args.backends) > 1 else ""))
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"backend": args.backend, "pin": args.pin, "rows": rows}, out, indent=1)
+            json.dump({"backends": args.backends, "pin": args.pin, "rows": rows}, out, indent=1)
     return 0 if all(not row["errors"] for row in rows) else 1
 
 
