@@ -123,13 +123,10 @@ def merge_backend_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "rounds": rounds}
 
 
-def run_interleaved(
-    backends: list[str], metrics: list[str], cfg: Config, rounds: int, floor: bool
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``rounds`` rounds, each measuring the floor and every backend in turn with
-    ``1/rounds`` of the iterations: on a shared host whose speed changes from minute
-    to minute, each backend then meets the same phases (figures: the median rounds)."""
-    share = replace(
+def round_share(cfg: Config, rounds: int) -> Config:
+    """``cfg`` with ``1/rounds`` of its iterations (warm-ups kept) and one init sample:
+    what each round of :func:`run_interleaved` measures."""
+    return replace(
         cfg,
         sync_n=max(1, cfg.sync_n // rounds),
         async_total=max(cfg.async_inflight, cfg.async_total // rounds),
@@ -140,6 +137,15 @@ def run_interleaved(
         train_n=max(1, cfg.train_n // rounds),
         init_rounds=1,
     )
+
+
+def run_interleaved(
+    backends: list[str], metrics: list[str], cfg: Config, rounds: int, floor: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``rounds`` rounds, each measuring the floor and every backend in turn with
+    ``1/rounds`` of the iterations: on a shared host whose speed changes from minute
+    to minute, each backend then meets the same phases (figures: the median rounds)."""
+    share = round_share(cfg, rounds)
     floor_rounds: list[dict[str, Any]] = []
     per_backend: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
     for index in range(rounds):

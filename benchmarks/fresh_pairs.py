@@ -37,19 +37,16 @@ from _common import ensure_repo_on_path
 ensure_repo_on_path()
 
 from _metrics import FULL, METRICS, QUICK, Config  # noqa: E402 - needs the repository on the path
+from bench_rpc import round_share, run_backend  # noqa: E402
 
 SLOW_FACTOR = 1.2
 """A pair is slow when its median is above this many times the sample's median."""
 
 
 def pair_config(quick: bool, pin: bool) -> Config:
-    """One round of a three-round campaign (bench_rpc.py's ``--rounds 3``), or the quick one."""
-    base = QUICK if quick else replace(
-        FULL, sync_n=FULL.sync_n // 3, async_total=FULL.async_total // 3,
-        remote_n=FULL.remote_n // 3, echo_1mb_n=FULL.echo_1mb_n // 3,
-        echo_64mb_n=FULL.echo_64mb_n // 3, autograd_n=FULL.autograd_n // 3,
-        train_n=FULL.train_n // 3,
-    )
+    """One round of a three-round campaign (bench_rpc.py's ``--rounds 3``), or the quick
+    smoke test's iterations."""
+    base = QUICK if quick else round_share(FULL, 3)
     return replace(base, init_rounds=1, pin="split" if pin else "none")
 
 
@@ -71,14 +68,12 @@ def summarize(rows: list[dict[str, Any]], metric: str, label: str = "") -> str:
 
 def run_pair(backend: str, metrics: list[str], cfg: Config, seed: str | None) -> dict[str, Any]:
     """One fresh pair (``seed``: its ``PYTHONHASHSEED``; None: the environment's)."""
-    import bench_rpc  # (bench_rpc imports torch: not at module level, as the other scripts)
-
     saved = os.environ.get("PYTHONHASHSEED")
     if seed is not None:
         os.environ["PYTHONHASHSEED"] = seed  # (spawned processes read it at start)
     try:
         started = time.strftime("%H:%M:%S")
-        result = bench_rpc.run_backend(backend, metrics, cfg)["metrics"]
+        result = run_backend(backend, metrics, cfg)["metrics"]
     finally:
         if saved is None:
             os.environ.pop("PYTHONHASHSEED", None)

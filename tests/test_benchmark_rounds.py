@@ -155,3 +155,18 @@ def test_a_warm_up_runs_its_count_and_its_seconds_whichever_ends_later() -> None
     calls.clear()
     assert len(_common.time_calls(call, 5, 1, warmup_s=0.5, clock=clock)) == 1
     assert calls == [0, 1, 2, 3, 4, 0]  # the count outlasts the seconds
+
+
+def test_a_round_measures_its_share_of_the_iterations_after_the_whole_warm_up() -> None:
+    from _metrics import FULL, QUICK
+
+    share = bench_rpc.round_share(FULL, 3)
+    assert (share.sync_n, share.remote_n, share.autograd_n, share.echo_64mb_n) == (
+        FULL.sync_n // 3, FULL.remote_n // 3, FULL.autograd_n // 3, FULL.echo_64mb_n // 3)
+    assert (share.sync_warmup, share.autograd_warmup) == (FULL.sync_warmup, FULL.autograd_warmup)
+    assert share.init_rounds == 1
+    # a pipelined batch is never cut below one window of calls in flight; a metric the
+    # configuration skips (the quick run's 64 MB echo) stays skipped
+    assert bench_rpc.round_share(FULL, 1000).async_total == FULL.async_inflight
+    assert bench_rpc.round_share(QUICK, 3).echo_64mb_n == 0
+    assert bench_rpc.round_share(QUICK, 1000).sync_n == 1

@@ -694,6 +694,7 @@ def test_the_wire_pickler_names_a_rebuild_function_instead_of_asking_for_its_red
         _WirePickler(stream, protocol=5).dump(function)
         ops = [(op.name, arg) for op, arg, _ in pickletools.genops(stream.getvalue())]
         assert ("EXT4", FIRST_CODE + index) in ops
+        assert stream.getvalue() == pickle.dumps(function, protocol=5)
         assert pickle.loads(stream.getvalue()) is function
 
 
