@@ -47,7 +47,7 @@ def pair_config(quick: bool, pin: bool) -> Config:
     """One round of a three-round campaign (bench_rpc.py's ``--rounds 3``), or the quick
     smoke test's iterations."""
     base = QUICK if quick else round_share(FULL, 3)
-    return replace(base, init_rounds=1, pin="split" if pin else "none")
+    return replace(base, pin="split" if pin else "none")  # (one init sample: both have 1)
 
 
 def summarize(rows: list[dict[str, Any]], metric: str, label: str = "") -> str:

@@ -9,12 +9,11 @@ functions appear by name in native stacks) starts one of bench_rpc.py's pinned p
 running ``--metric`` for long enough, records ``perf record -C <cpu> --call-graph dwarf``
 on each worker's CPU in turn once the pair has warmed up (rank r runs on CPU r) and reads
 the stacks back with ``perf script`` once the pair is done (slow: minutes for a few
-seconds of samples). ``--from-script`` reads
-such text instead. Per CPU it prints: the samples of the idle task, those spent in busy
-polls (any stack through ``_poll_busily`` or ``any_ready``: waiting, not work) and, of
-the rest, the share of
-samples whose stack passes through each compiled function (``CPyDef_*``: inclusive, each
-counted once per sample) and the leaf functions. Interpreted Python shows as the
+seconds of samples). ``--from-script`` reads such text instead. Per CPU it prints the
+share of samples in the idle task, in busy polls (any stack through ``_poll_busily`` or
+``any_ready``: waiting, not work) and at work; and, of the work samples, the share whose
+stack passes through each compiled function (``CPyDef_*``: inclusive, each counted once
+per sample) and the leaf functions. Interpreted Python shows as the
 interpreter's own frames. Figures are in docs/performance.md ("Forty-first session").
 """
 
@@ -46,7 +45,8 @@ _FRAME = re.compile(r"^\s*[0-9a-f]+ (.*?)(?: \(([^()]*)\))?$")
 
 @dataclass
 class Attribution:
-    """Samples of one CPU: how many waited in busy polls, and what the rest ran."""
+    """Samples of one CPU: how many were idle, how many waited in busy polls, and what
+    the rest ran."""
 
     samples: int = 0
     idle: int = 0  # the CPU's idle task (``swapper``): nothing ran
