@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -133,12 +134,16 @@ class Backend:
 # --- metrics (rank 0) ------------------------------------------------------------------
 
 
-def bench_rpc_sync(rpc: ModuleType, cfg: Config) -> dict[str, Any]:
+def sync_call(rpc: ModuleType) -> Callable[[int], None]:
     def call(i: int) -> None:
         if rpc.rpc_sync(PEER, noop, args=(i,)) != i:
             raise AssertionError("rpc_sync(noop) returned a wrong value")
 
-    return latency_stats(time_calls(call, cfg.sync_warmup, cfg.sync_n))
+    return call
+
+
+def bench_rpc_sync(rpc: ModuleType, cfg: Config) -> dict[str, Any]:
+    return latency_stats(time_calls(sync_call(rpc), cfg.sync_warmup, cfg.sync_n))
 
 
 def _wait(futs: list[Any]) -> list[Any]:
@@ -173,15 +178,19 @@ def bench_rpc_async(rpc: ModuleType, cfg: Config) -> dict[str, Any]:
     }
 
 
-def bench_remote(rpc: ModuleType, cfg: Config) -> dict[str, Any]:
+def remote_call(rpc: ModuleType) -> Callable[[int], None]:
     def call(i: int) -> None:
         if rpc.remote(PEER, noop, args=(i,)).to_here() != i:
             raise AssertionError("remote(noop).to_here() returned a wrong value")
 
-    return latency_stats(time_calls(call, cfg.remote_warmup, cfg.remote_n))
+    return call
 
 
-def bench_echo(rpc: ModuleType, size_bytes: int, warmup: int, n: int) -> dict[str, Any]:
+def bench_remote(rpc: ModuleType, cfg: Config) -> dict[str, Any]:
+    return latency_stats(time_calls(remote_call(rpc), cfg.remote_warmup, cfg.remote_n))
+
+
+def echo_call(rpc: ModuleType, size_bytes: int) -> Callable[[int], None]:
     import torch
 
     tensor = torch.rand(size_bytes // 4, dtype=torch.float32)
@@ -191,7 +200,11 @@ def bench_echo(rpc: ModuleType, size_bytes: int, warmup: int, n: int) -> dict[st
         if out.shape != tensor.shape or out.dtype != tensor.dtype:
             raise AssertionError("echo returned a tensor of the wrong shape/dtype")
 
-    stats = latency_stats(time_calls(call, warmup, n))
+    return call
+
+
+def bench_echo(rpc: ModuleType, size_bytes: int, warmup: int, n: int) -> dict[str, Any]:
+    stats = latency_stats(time_calls(echo_call(rpc, size_bytes), warmup, n))
     median_s = stats["median_us"] / 1e6
     # Bandwidth counts the bytes both ways (request + reply), 1 GB = 1e9 bytes.
     stats["gb_per_s"] = 2 * size_bytes / median_s / 1e9
@@ -199,7 +212,7 @@ def bench_echo(rpc: ModuleType, size_bytes: int, warmup: int, n: int) -> dict[st
     return stats
 
 
-def bench_autograd(rpc: ModuleType, dist_autograd: ModuleType, cfg: Config) -> dict[str, Any]:
+def autograd_iteration(rpc: ModuleType, dist_autograd: ModuleType) -> Callable[[int], None]:
     import torch
 
     a = torch.rand(64, 64, requires_grad=True)
@@ -214,9 +227,41 @@ def bench_autograd(rpc: ModuleType, dist_autograd: ModuleType, cfg: Config) -> d
         if not torch.equal(grads[a], torch.ones_like(a)):
             raise AssertionError("wrong gradient for a")
 
-    return latency_stats(
-        time_calls(iteration, cfg.autograd_warmup, cfg.autograd_n, cfg.autograd_warmup_s)
-    )
+    return iteration
+
+
+def bench_autograd(rpc: ModuleType, dist_autograd: ModuleType, cfg: Config) -> dict[str, Any]:
+    return latency_stats(time_calls(autograd_iteration(rpc, dist_autograd), cfg.autograd_warmup,
+                                    cfg.autograd_n, cfg.autograd_warmup_s))
+
+
+LATENCY_METRICS = ("rpc_sync", "remote", "echo_1mb", "autograd")
+"""The metrics timed call by call (median latency): those :func:`latency_call` makes."""
+
+
+def latency_call(name: str, backend: Backend) -> Callable[[int], None]:
+    """One call of latency metric ``name`` (of :data:`LATENCY_METRICS`) for ``backend``."""
+    if name == "rpc_sync":
+        return sync_call(backend.rpc)
+    if name == "remote":
+        return remote_call(backend.rpc)
+    if name == "echo_1mb":
+        return echo_call(backend.rpc, MB)
+    if name == "autograd":
+        if backend.autograd is None:
+            raise RuntimeError(backend.autograd_error or "no distributed autograd module")
+        return autograd_iteration(backend.rpc, backend.autograd)
+    raise ValueError(f"{name!r} is not a latency metric (one of {', '.join(LATENCY_METRICS)})")
+
+
+def warmup_of(name: str, cfg: Config) -> tuple[int, float]:
+    """``(iterations, seconds)`` of untimed warm-up for latency metric ``name``."""
+    return {
+        "rpc_sync": (cfg.sync_warmup, 0.0),
+        "remote": (cfg.remote_warmup, 0.0),
+        "echo_1mb": (cfg.echo_1mb_warmup, 0.0),
+        "autograd": (cfg.autograd_warmup, cfg.autograd_warmup_s),
+    }[name]
 
 
 def run_metric(name: str, backend: Backend, cfg: Config) -> dict[str, Any]:
@@ -258,17 +303,12 @@ def _error(exc: BaseException) -> dict[str, Any]:
     return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
 
-def worker_main(
-    rank: int,
-    world_size: int,
-    port: int,
-    queue: Any,
-    barrier: Any,
-    backend_name: str,
-    metrics: list[str],
+def _start_backend(
+    rank: int, world_size: int, port: int, queue: Any, barrier: Any, backend_name: str,
     cfg: Config,
-) -> None:
-    """Spawned process: init the backend, measure (rank 0) or serve (rank 1), shut down."""
+) -> Backend | None:
+    """Pin, init the backend together with the other rank, report ``("init", ...)`` with
+    the init time and the idle RSS; None (after reporting ``"fatal"``) when that failed."""
     try:
         if pin_process(rank, cfg.pin):
             import torch
@@ -290,6 +330,35 @@ def worker_main(
         barrier.wait(cfg.init_timeout_s)  # rank 1 is sampled idle, before any traffic
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         queue.put(("fatal", rank, "init", _error(exc)))
+        return None
+    return backend
+
+
+def _shut_down(backend: Backend, rank: int, queue: Any) -> None:
+    """``rpc.shutdown()`` (rank 1 waits there, serving, until rank 0 is done), timed."""
+    t0 = time.perf_counter()
+    try:
+        backend.rpc.shutdown()
+        queue.put(("shutdown", rank, "", {"shutdown_s": time.perf_counter() - t0}))
+    except BaseException as exc:  # noqa: BLE001
+        err = _error(exc)
+        err["shutdown_s"] = time.perf_counter() - t0
+        queue.put(("fatal", rank, "shutdown", err))
+
+
+def worker_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    queue: Any,
+    barrier: Any,
+    backend_name: str,
+    metrics: list[str],
+    cfg: Config,
+) -> None:
+    """Spawned process: init the backend, measure (rank 0) or serve (rank 1), shut down."""
+    backend = _start_backend(rank, world_size, port, queue, barrier, backend_name, cfg)
+    if backend is None:
         return
     if rank == 0:
         for name in metrics:
@@ -300,11 +369,52 @@ def worker_main(
                 result = _error(exc)
             queue.put(("result", rank, name, result))
         queue.put(("done", rank, "", {"rss_mb": rss_mb()}))
-    try:
-        t0 = time.perf_counter()
-        backend.rpc.shutdown()
-        queue.put(("shutdown", rank, "", {"shutdown_s": time.perf_counter() - t0}))
-    except BaseException as exc:  # noqa: BLE001
-        err = _error(exc)
-        err["shutdown_s"] = time.perf_counter() - t0
-        queue.put(("fatal", rank, "shutdown", err))
+    _shut_down(backend, rank, queue)
+
+
+def block_worker_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    queue: Any,
+    barrier: Any,
+    backend_name: str,
+    cfg: Config,
+    commands: Any,
+) -> None:
+    """Spawned process of ``paired_blocks.py``: rank 0 times blocks of a latency metric's
+    calls on command, rank 1 serves.
+
+    ``commands`` carries ``("block", metric, warm, n)``: warm up ``metric`` (before its
+    first block, as :func:`warmup_of` says), make ``warm`` calls untimed, time ``n`` calls,
+    report ``("block", 0, metric, latency stats)``; ``("stop", "", 0, 0)``: report
+    ``"done"`` and shut down. No command within ``cfg.metric_timeout_s``: report
+    ``"fatal"`` and shut down.
+    """
+    import queue as queue_mod
+
+    backend = _start_backend(rank, world_size, port, queue, barrier, backend_name, cfg)
+    if backend is None:
+        return
+    if rank == 0:
+        calls: dict[str, Callable[[int], None]] = {}
+        while True:
+            try:
+                kind, metric, warm, n = commands.get(timeout=cfg.metric_timeout_s)
+            except queue_mod.Empty:
+                queue.put(("fatal", rank, "commands", {
+                    "error": f"no command within {cfg.metric_timeout_s:g} s"}))
+                break
+            if kind == "stop":
+                queue.put(("done", rank, "", {"rss_mb": rss_mb()}))
+                break
+            try:
+                if metric not in calls:
+                    calls[metric] = latency_call(metric, backend)
+                    warm_n, warm_s = warmup_of(metric, cfg)
+                    time_calls(calls[metric], warm_n, 0, warm_s)
+                result = latency_stats(time_calls(calls[metric], warm, n))
+            except BaseException as exc:  # noqa: BLE001
+                result = _error(exc)
+            queue.put(("block", rank, metric, result))
+    _shut_down(backend, rank, queue)

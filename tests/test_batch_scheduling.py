@@ -89,6 +89,12 @@ class _Threads:
                 self.core_busy[core] += self.foreign_share * sched.CHECK_INTERVAL
         scheduling.check()
 
+    def judge(self, scheduling: BatchScheduling) -> None:
+        """The check that judges a window, and the next one, at which a verdict that batch
+        lost is acted on (the process kept its state, quiet or busy)."""
+        self.check(scheduling)
+        self.check(scheduling)
+
     def seconds_until_batch_again(self, scheduling: BatchScheduling) -> float:
         """Check every interval until batch is retried (at most MAX_BACKOFF's worth)."""
         gave_up = self.now
@@ -113,14 +119,14 @@ def test_batch_is_given_up_when_the_threads_wait_and_retried_after_a_doubling_ba
     threads = _Threads()
     scheduling = threads.scheduling()
     threads.wake(100, wait_us=900)  # a thread that never yields shares the core
-    threads.check(scheduling)
+    threads.judge(scheduling)
     assert (scheduling.policy, scheduling.fallbacks) == ("default", 1)
     assert threads.batch == {11: False, 12: False}
     backoff = threads.seconds_until_batch_again(scheduling)
     assert sched.MIN_BACKOFF <= backoff < sched.MIN_BACKOFF + 2 * sched.CHECK_INTERVAL
     assert threads.batch == {11: True, 12: True}
     threads.wake(100, wait_us=900)  # still losing: the next back-off is twice as long
-    threads.check(scheduling)
+    threads.judge(scheduling)
     assert (scheduling.policy, scheduling.fallbacks) == ("default", 2)
     assert threads.seconds_until_batch_again(scheduling) >= 2 * sched.MIN_BACKOFF
     threads.wake(100, wait_us=5)  # the other thread left: batch stays, the back-off resets
@@ -140,7 +146,7 @@ def test_waits_behind_this_processs_own_busy_threads_keep_batch() -> None:
     assert (scheduling.policy, scheduling.fallbacks) == ("batch", 0)
     threads.cpu_share = 0.3  # the loop ended; someone else's thread takes the core
     threads.wake(100, wait_us=900)
-    threads.check(scheduling)
+    threads.judge(scheduling)
     assert (scheduling.policy, scheduling.fallbacks) == ("default", 1)
 
 
@@ -156,12 +162,12 @@ def test_waits_behind_this_processs_own_spins_keep_batch_as_long_as_they_spun() 
     assert (scheduling.policy, scheduling.fallbacks) == ("batch", 0)
     threads.spins = (spun + 0.01, 0)  # 10 ms of spins cannot explain 90 ms of waits
     threads.wake(100, wait_us=900)
-    threads.check(scheduling)
+    threads.judge(scheduling)
     assert (scheduling.policy, scheduling.fallbacks) == ("default", 1)
     assert threads.seconds_until_batch_again(scheduling) > 0
     threads.spins = (spun + 1.0, 1)  # a spin found its core taken: someone else's thread
     threads.wake(100, wait_us=900)
-    threads.check(scheduling)
+    threads.judge(scheduling)
     assert (scheduling.policy, scheduling.fallbacks) == ("default", 2)
 
 
@@ -179,12 +185,12 @@ def test_waits_of_a_process_alone_on_its_cores_keep_batch_until_another_process_
     threads.cores = {0, 1}  # not confined: the other CPU's use (say, the peer) counts
     threads.foreign_share = 0.5
     threads.wake(100, wait_us=900)
-    threads.check(scheduling)
+    threads.judge(scheduling)
     assert (scheduling.policy, scheduling.fallbacks) == ("default", 1)
     threads.seconds_until_batch_again(scheduling)
     threads.cores = {0}  # confined again, but a busy process shares the core now
     threads.wake(100, wait_us=900)
-    threads.check(scheduling)
+    threads.judge(scheduling)
     assert (scheduling.policy, scheduling.fallbacks) == ("default", 2)
 
 
@@ -207,13 +213,13 @@ def test_quiet_intervals_are_not_judged_but_counted_on() -> None:
     threads.check(scheduling)  # too few wake-ups to judge
     assert scheduling.policy == "batch"
     threads.wake(half, wait_us=900)
-    threads.check(scheduling)  # judged on both intervals together
+    threads.judge(scheduling)  # judged on both intervals together
     assert scheduling.policy == "default"
 
 
-def test_quiet_checks_read_only_the_threads_waits() -> None:
-    """An idle worker's checks read one schedstat per thread: the process clock, the
-    spins and /proc/stat only once a thread woke often enough to be judged."""
+def test_quiet_checks_read_only_the_threads_waits_and_the_process_clock() -> None:
+    """An idle worker's checks read one schedstat per thread and the process clock (cheap):
+    the spins and /proc/stat only once a thread woke often enough to be judged."""
     threads = _Threads(tids=[11, 12])
     threads.core_busy = {0: 0.0}
     scheduling = threads.scheduling()
@@ -221,15 +227,82 @@ def test_quiet_checks_read_only_the_threads_waits() -> None:
     for _ in range(sched.MIN_WAKEUPS - 1):
         threads.wake(1, wait_us=10)
         threads.check(scheduling)
-    assert threads.reads == []
+    assert threads.reads == ["cpu"] * (sched.MIN_WAKEUPS - 1)
+    threads.reads.clear()
     threads.wake(1, wait_us=10, tids=[12])
     threads.check(scheduling)  # thread 12 is judged (and thread 11 keeps counting)
-    assert sorted(threads.reads) == ["busy", "cpu", "spins"]
+    assert sorted(threads.reads) == ["busy", "cpu", "cpu", "spins"]
     threads.reads.clear()
     threads.wake(1, wait_us=10, tids=[11])  # its 20th: judged on every wait since the start
     threads.check(scheduling)
-    assert sorted(threads.reads) == ["busy", "cpu", "spins"]
+    assert sorted(threads.reads) == ["busy", "cpu", "cpu", "spins"]
     assert scheduling.policy == "batch"
+
+
+def test_a_window_begun_quiet_starts_again_when_the_process_turns_busy() -> None:
+    """Idle beside a busy process, then a burst of its own work alone on its core: the
+    burst's waits (behind its own threads) are judged on the burst, not on a window whose
+    CPU use and foreign share are the idle stretch's (batch was lost there before)."""
+    threads = _Threads(tids=[11])
+    threads.core_busy = {0: 0.0}
+    scheduling = threads.scheduling()
+    threads.cpu_share, threads.foreign_share = 0.0, 0.9  # idle; another process runs
+    for _ in range(sched.MIN_WAKEUPS // 2 - 1):  # the idle timer's wake-ups: not judged yet
+        threads.wake(1, wait_us=10)
+        threads.check(scheduling)
+    threads.cpu_share, threads.foreign_share = 0.3, 0.0  # a burst of its own, alone
+    for _ in range(5):
+        threads.wake(100, wait_us=900)  # behind its own threads
+        threads.check(scheduling)
+    assert (scheduling.policy, scheduling.fallbacks) == ("batch", 0)
+    threads.foreign_share = 0.5  # another process comes while it is busy: that loses
+    threads.wake(100, wait_us=900)
+    threads.judge(scheduling)
+    assert (scheduling.policy, scheduling.fallbacks) == ("default", 1)
+
+
+def test_a_fallback_judged_while_quiet_is_retried_when_the_process_turns_busy() -> None:
+    threads = _Threads(tids=[11])
+    scheduling = threads.scheduling()
+    threads.cpu_share = 0.0  # idle: the timer's wake-ups wait behind another process
+    threads.check(scheduling)  # (turned quiet: the windows start here)
+    for _ in range(sched.MIN_WAKEUPS):
+        threads.wake(1, wait_us=900)
+        threads.check(scheduling)
+    threads.check(scheduling)  # the verdict stands: still quiet
+    assert (scheduling.policy, scheduling.fallbacks) == ("default", 1)
+    threads.check(scheduling)  # still quiet: the back-off runs
+    assert scheduling.policy == "default"
+    threads.cpu_share = 0.5
+    threads.check(scheduling)  # turned busy: batch again at once, judged on the burst
+    assert scheduling.policy == "batch"
+    threads.wake(100, wait_us=900)  # the other process is still there: lost while busy
+    threads.judge(scheduling)
+    assert (scheduling.policy, scheduling.fallbacks) == ("default", 2)
+    threads.cpu_share = 0.0
+    threads.check(scheduling)
+    threads.cpu_share = 0.5
+    threads.check(scheduling)  # a busy fallback waits for its back-off
+    assert scheduling.policy == "default"
+    assert threads.seconds_until_batch_again(scheduling) > sched.CHECK_INTERVAL
+
+
+def test_a_verdict_is_dropped_when_the_process_turns_quiet_before_the_next_check() -> None:
+    """A window whose last interval straddles the end of a burst: its timer's waits behind
+    the process that takes the core next, against the burst's CPU use, do not lose batch."""
+    threads = _Threads(tids=[11])
+    scheduling = threads.scheduling()
+    threads.cpu_share = 0.5
+    threads.wake(100, wait_us=900)
+    threads.check(scheduling)  # lost on this window ...
+    threads.cpu_share = 0.0
+    threads.check(scheduling)  # ... but the process turned quiet: the verdict is dropped
+    assert (scheduling.policy, scheduling.fallbacks) == ("batch", 0)
+    for _ in range(sched.MIN_WAKEUPS):  # quiet windows are judged on their own
+        threads.wake(1, wait_us=900)
+        threads.check(scheduling)
+    threads.check(scheduling)
+    assert (scheduling.policy, scheduling.fallbacks) == ("default", 1)
 
 
 def test_thread_ids_may_come_as_any_iterable() -> None:
@@ -251,7 +324,7 @@ def test_a_thread_that_ended_is_dropped() -> None:
     scheduling = threads.scheduling()
     del threads.waits[12]
     threads.wake(100, wait_us=900)
-    threads.check(scheduling)
+    threads.judge(scheduling)
     assert scheduling.policy == "default" and scheduling.tids == [11]
 
 
@@ -292,7 +365,7 @@ def test_a_thread_added_later_joins_the_current_policy_and_its_waits_count_from_
     threads.check(scheduling)
     assert scheduling.policy == "batch"  # 10 µs per wake-up since it joined (not 5 ms / 40)
     threads.wake(100, wait_us=900, tids=[13])
-    threads.check(scheduling)
+    threads.judge(scheduling)
     assert scheduling.policy == "default" and threads.batch[13] is False
 
 
@@ -300,7 +373,7 @@ def test_a_thread_added_while_batch_lost_waits_for_the_retry() -> None:
     threads = _Threads()
     scheduling = threads.scheduling()
     threads.wake(100, wait_us=900)
-    threads.check(scheduling)
+    threads.judge(scheduling)
     assert scheduling.policy == "default"
     threads.waits[13] = [0, 1]
     scheduling.add(13)
@@ -324,7 +397,7 @@ def test_each_thread_is_judged_on_its_own_waits() -> None:
     scheduling.add(13)
     threads.wake(20, wait_us=1000, tids=[11])
     threads.wake(1000, wait_us=5, tids=[13])  # averaged together: ~24 µs per wake-up
-    threads.check(scheduling)
+    threads.judge(scheduling)
     assert scheduling.policy == "default" and threads.batch == {11: False, 13: False}
 
 
@@ -335,7 +408,7 @@ def test_the_agents_io_thread_is_judged_against_its_own_limit() -> None:
     agent_scheduling = agent.scheduling(max_wait=sched.MAX_AGENT_IO_WAIT)  # 200 µs
     for threads, scheduling in ((libzmq, libzmq_scheduling), (agent, agent_scheduling)):
         threads.wake(100, wait_us=150)  # behind the threads of this process it must not preempt
-        threads.check(scheduling)
+        threads.judge(scheduling)
     assert libzmq_scheduling.policy == "default" and agent_scheduling.policy == "batch"
 
 
@@ -350,7 +423,7 @@ def test_a_rarely_woken_thread_is_judged_once_its_wake_ups_add_up() -> None:
         threads.check(scheduling)
         assert scheduling.policy == "batch"
     threads.wake(5, wait_us=1000, tids=[11])
-    threads.check(scheduling)
+    threads.judge(scheduling)
     assert scheduling.policy == "default"
 
 
@@ -369,7 +442,7 @@ def test_a_refusal_in_the_middle_of_a_switch_switches_no_further_thread() -> Non
     threads = _Threads()
     scheduling = threads.scheduling()
     threads.wake(100, wait_us=900)
-    threads.check(scheduling)
+    threads.judge(scheduling)
     assert scheduling.policy == "default" and threads.batch == {11: False, 12: False}
     threads.refuse_tids = {11}  # the retry is refused for the first thread only
     for _ in range(int(sched.MIN_BACKOFF / sched.CHECK_INTERVAL) + 2):
@@ -382,7 +455,7 @@ def test_an_excused_wait_does_not_start_the_retries_over() -> None:
     threads = _Threads()
     scheduling = threads.scheduling()
     threads.wake(100, wait_us=900)
-    threads.check(scheduling)  # lost: retried after MIN_BACKOFF, then after twice that
+    threads.judge(scheduling)  # lost: retried after MIN_BACKOFF, then after twice that
     assert threads.seconds_until_batch_again(scheduling) >= sched.MIN_BACKOFF
     threads.cpu_share = 1.0  # over the limit, but behind this process's own threads
     threads.wake(100, wait_us=900)
@@ -390,7 +463,7 @@ def test_an_excused_wait_does_not_start_the_retries_over() -> None:
     assert scheduling.policy == "batch"
     threads.cpu_share = 0.2
     threads.wake(100, wait_us=900)
-    threads.check(scheduling)
+    threads.judge(scheduling)
     assert scheduling.policy == "default"
     assert threads.seconds_until_batch_again(scheduling) >= 2 * sched.MIN_BACKOFF
 

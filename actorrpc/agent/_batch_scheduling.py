@@ -44,6 +44,19 @@ threads it watches go back to the default policy. They try ``SCHED_BATCH``
 again after a back-off that starts at :data:`MIN_BACKOFF` and doubles (up to
 :data:`MAX_BACKOFF`) while the trials keep failing.
 
+A window is judged on one state of this process: quiet or busy (less than
+:data:`QUIET_SHARE` or more than :data:`ACTIVE_SHARE` of a CPU in a check interval).
+When the state changes, each thread's window starts again there, and a verdict that
+batch lost is acted on at the next check only if the state held until then (a window's
+last interval may straddle the change). Windows that mixed the two lost batch where
+neither state would have: a worker taking turns with another process on its cores
+(``benchmarks/paired_blocks.py``) was judged on its own threads' waits in a burst of its
+work against the CPU use and foreign share of the idle stretch before it, or on its
+timer's waits behind the other process just after the burst against the burst's CPU use;
+its autograd iteration ran ~5 % slower. For the same reason a fallback judged on a quiet
+window (the idle threads' timer wake-ups behind another process) is retried when the
+process turns busy, not after the back-off.
+
 Invariants:
 
 * Only the threads handed in are touched: libzmq's I/O threads of this
@@ -73,6 +86,8 @@ from collections.abc import Callable, Iterable
 
 __all__ = [
     "BATCH",
+    "ACTIVE_SHARE",
+    "QUIET_SHARE",
     "CHECK_INTERVAL",
     "FOREIGN_SHARE",
     "DEFAULT",
@@ -98,6 +113,11 @@ must not preempt: 40-170 µs per wake-up in an autograd loop, pinned and not. Wi
 50 µs limit the guard gave batch up in windows where the process used a little less
 than :data:`SELF_BUSY`, and the loop ran 10-20 % slower."""
 MIN_WAKEUPS = 20  # wake-ups of one thread before its waits are judged
+ACTIVE_SHARE = 0.1
+"""CPUs this process used in a check interval from which it counts as busy ..."""
+QUIET_SHARE = 0.02
+"""... and below which as quiet (in between: as the interval before). An idle worker uses
+~0.001; a loop that mostly waits for its replies behind another process, ~0.05-0.1."""
 SELF_BUSY = 0.75  # CPUs this process used per second above which the waits are its own
 MIN_BACKOFF = 1.0
 MAX_BACKOFF = 60.0
@@ -231,6 +251,12 @@ class BatchScheduling:
         self._next_check = 0.0
         self._baselines: dict[int, _Baseline] = {}
         self._refused = False  # the system refused a policy change: nothing is touched
+        # the process clock at the last check, and whether that interval was busy
+        self._last_cpu, self._last_check_at = cpu_clock(), clock()
+        self._busy: bool | None = None  # (unknown until the first check: no change then)
+        self._quiet_fallback = False  # the last fallback was judged on a quiet window
+        # a window that lost batch (True: while busy), waiting for the next check
+        self._lost_busy: bool | None = None
         if not enabled:
             self.policy = OFF
             return
@@ -316,14 +342,23 @@ class BatchScheduling:
         if self.policy in (OFF, UNAVAILABLE) or now < self._next_check:
             return
         self._next_check = now + CHECK_INTERVAL
+        turned = self._note_activity(now)
         if self.policy == DEFAULT:
-            if now >= self._retry_at:
+            if now >= self._retry_at or (turned and self._busy and self._quiet_fallback):
                 self._switch(True)
                 self._start_window()
             return
-        # the process's and the CPUs' clocks only for a thread to judge (or to start
-        # counting): an idle worker's checks read its threads' schedstat and nothing else
-        # (/proc/stat and the process clock cost ~35 µs of CPU a check on a VM)
+        if self._lost_busy is not None:  # a verdict stands if the process kept its state
+            lost_busy, self._lost_busy = self._lost_busy, None
+            if not turned:
+                self._fall_back(now, lost_busy)
+                return
+        if turned:  # a window is judged on one state: quiet, or busy
+            self._start_window()
+            return
+        # the spins and the CPUs' clocks only for a thread to judge (or to start counting):
+        # an idle worker's checks read its threads' schedstat and the process clock (~0.6
+        # µs), not /proc/stat (~23 µs of CPU a check on a VM)
         due = {
             tid: reading for tid, reading in self._read_waits(self.tids).items()
             if tid not in self._baselines
@@ -355,13 +390,30 @@ class BatchScheduling:
                 unexplained / wakeups > self.max_wait
             ) and not self._alone(busy_began, busy, cpu - cpu_began, now - began):
                 lost = True
-        if lost:
-            self._switch(False)
-            self.fallbacks += 1
-            self._retry_at = now + self._backoff
-            self._backoff = min(2 * self._backoff, MAX_BACKOFF)
+        if lost:  # acted on at the next check, unless the process turned quiet or busy
+            self._lost_busy = bool(self._busy)
         elif judged and not over:  # batch won a judged window outright: retries start over
             self._backoff = MIN_BACKOFF
+
+    def _fall_back(self, now: float, lost_busy: bool) -> None:
+        self._switch(False)
+        self.fallbacks += 1
+        self._quiet_fallback = not lost_busy
+        self._retry_at = now + self._backoff
+        self._backoff = min(2 * self._backoff, MAX_BACKOFF)
+
+    def _note_activity(self, now: float) -> bool:
+        """Read the process clock (cheap, unlike ``/proc/stat``) and classify the interval
+        since the last check (module docstring); whether the process turned quiet or busy
+        (never at the first check: the first windows start when this is made)."""
+        before, cpu = self._busy, self._cpu_clock()
+        elapsed, used = now - self._last_check_at, cpu - self._last_cpu
+        if elapsed > 0 and used >= ACTIVE_SHARE * elapsed:
+            self._busy = True
+        elif elapsed > 0 and used < QUIET_SHARE * elapsed:
+            self._busy = False
+        self._last_cpu, self._last_check_at = cpu, now
+        return before is not None and self._busy != before
 
     def _alone(self, busy_began: _CoreBusy | None, busy: _CoreBusy | None, own_cpu: float,
                seconds: float) -> bool:
