@@ -15,6 +15,13 @@ runs; below it, the pinned autograd ratio of each round, and the ranges of the P
 probe, of torch's rpc_sync and of the pyzmq floor (host phases). Benchmark an installed
 or built copy, never while anything else runs (tests, another benchmark). Figures are in
 docs/performance.md.
+
+After each bench_rpc.py run, ``paired_blocks.py`` runs in the same mode (``--paired-blocks
+N`` block pairs per latency metric, default 30; 0: none), recorded as
+``OUT/paired-{pinned,unpinned}-TAG-run{k}.json``: both backends' pairs kept, taking turns
+in blocks of up to a second, so that a moment of the host slows both sides of a ratio
+alike. Its table follows the other: per metric, the range of the block ratios over each
+mode's runs and how many block pairs met the issue's target.
 """
 
 from __future__ import annotations
@@ -22,11 +29,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 BENCHMARKS = Path(__file__).resolve().parent
 MODES = ("pinned", "unpinned")
@@ -34,24 +42,43 @@ _AUTOGRAD = "dist-autograd iteration, median (ms)"
 _SYNC = "rpc_sync latency, median (µs)"
 _FLOOR_RATIO = "rpc_sync median ÷ pyzmq floor RTT (×)"
 _LEFT_OUT = ("rpc_sync latency, p99 (µs)",)  # in the records, not in the README's table
+PAIRED_METRICS = ("rpc_sync", "remote", "echo_1mb", "autograd")
+PAIRED_BLOCKS = 30  # block pairs per metric in each paired_blocks.py run (~75 s a run)
 
 
 def record_path(out: Path, mode: str, tag: str, run: int) -> Path:
     return out / f"{mode}-{tag}-run{run}.json"
 
 
-def plan(runs: int, tag: str, out: Path) -> list[tuple[str, int, list[str]]]:
-    """``(mode, run, argv)`` of each bench_rpc.py run, in the order they run."""
+def paired_record_path(out: Path, mode: str, tag: str, run: int) -> Path:
+    return out / f"paired-{mode}-{tag}-run{run}.json"
+
+
+class Step(NamedTuple):
+    mode: str
+    run: int
+    record: Path
+    argv: list[str]
+
+
+def plan(runs: int, tag: str, out: Path, blocks: int = PAIRED_BLOCKS) -> list[Step]:
+    """Each run in the order they run: a bench_rpc.py run, then (``blocks`` > 0) a
+    paired_blocks.py run of the latency metrics in the same mode."""
     steps = []
     for run in range(1, runs + 1):
         for mode in MODES:
             record = record_path(out, mode, tag, run)
-            argv = [sys.executable, str(BENCHMARKS / "bench_rpc.py")]
-            if mode == "pinned":
-                argv += ["--pin", "split"]
-            argv += ["--rounds", "3", "--wait-idle", "180", "--json", str(record),
-                     "--chart", str(record.with_suffix(".png"))]
-            steps.append((mode, run, argv))
+            pin = ["--pin", "split"] if mode == "pinned" else []
+            argv = [sys.executable, str(BENCHMARKS / "bench_rpc.py"), *pin, "--rounds", "3",
+                    "--wait-idle", "180", "--json", str(record),
+                    "--chart", str(record.with_suffix(".png"))]
+            steps.append(Step(mode, run, record, argv))
+            if blocks > 0:
+                paired = paired_record_path(out, mode, tag, run)
+                argv = [sys.executable, str(BENCHMARKS / "paired_blocks.py"), *pin[:1],
+                        "--metrics", ",".join(PAIRED_METRICS), "--blocks", str(blocks),
+                        "--json", str(paired)]
+                steps.append(Step(mode, run, paired, argv))
     return steps
 
 
@@ -73,9 +100,11 @@ def middle_run(records: Sequence[dict[str, Any]]) -> int:
     return order[(len(order) - 1) // 2]
 
 
-def summarize(pinned: Sequence[dict[str, Any]], unpinned: Sequence[dict[str, Any]]) -> str:
+def summarize(pinned: Sequence[dict[str, Any]], unpinned: Sequence[dict[str, Any]],
+              paired: dict[str, list[dict[str, Any]]] | None = None) -> str:
     """The README's table (the middle pinned run's figures, the ranges of each mode's
-    ratios) and the lines that go with it, as Markdown."""
+    ratios) and the lines that go with it, as Markdown; then the alternating blocks'
+    table of the ``paired`` records (:func:`load_paired`), if any."""
     if not pinned or not unpinned:
         raise ValueError("a campaign needs at least one pinned and one unpinned record")
     middle = middle_run(pinned)
@@ -124,6 +153,7 @@ def summarize(pinned: Sequence[dict[str, Any]], unpinned: Sequence[dict[str, Any
         lines.append(f"Host: {hosts[0]}.")
     else:  # records of different hosts or builds do not make one campaign
         lines.append("WARNING: the records differ in host or build: " + "; ".join(hosts) + ".")
+    lines += paired_lines(paired or {})
     return "\n".join(lines)
 
 
@@ -131,6 +161,41 @@ def _host(record: dict[str, Any]) -> str:
     machine = record["machine"]
     return (f"{machine['cpu_model']}, {machine['nproc']} CPUs; actorrpc build: "
             f"{machine.get('actorrpc_build', 'unknown')}")
+
+
+def load_paired(out: Path, tag: str, runs: int) -> dict[str, list[dict[str, Any]]]:
+    """The campaign's paired_blocks.py records of each mode (those that exist: campaigns
+    before the forty-second session have none)."""
+    return {mode: [json.loads(path.read_text()) for run in range(1, runs + 1)
+                   if (path := paired_record_path(out, mode, tag, run)).exists()]
+            for mode in MODES}
+
+
+def paired_lines(paired: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """A table of the alternating blocks' ratios: per metric, the range (and median) of
+    the block ratios over each mode's runs, and how many block pairs met the target."""
+    metrics = [m for m in PAIRED_METRICS
+               if any(m in r["metrics"] for records in paired.values() for r in records)]
+    if not metrics:
+        return []
+    lines = ["", "Alternating blocks (`paired_blocks.py`: both backends' pairs kept, blocks "
+             "of up to ~1 s in turn; torch's block median over ours):", "",
+             "| metric | block ratios, pinned | block ratios, unpinned | met the target |",
+             "|---|---:|---:|---:|"]
+    for metric in metrics:
+        cells, met, total = [], 0, 0
+        for mode in MODES:
+            blocks = [b for r in paired.get(mode, []) for b in r["metrics"].get(metric, {})
+                      .get("blocks", [])]
+            ratios = [b["ratio"] for b in blocks]
+            cells.append(f"{_span(ratios, '{:.2f}')} (median {statistics.median(ratios):.2f}×)"
+                         if ratios else "–")
+            target = next((r["metrics"][metric]["summary"]["target"] for r in paired[mode]
+                           if metric in r["metrics"]), None)
+            met += sum(ratio >= target for ratio in ratios) if target else 0
+            total += len(ratios)
+        lines.append(f"| {metric} | {cells[0]} | {cells[1]} | {met} of {total} |")
+    return lines
 
 
 def load(out: Path, tag: str, runs: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -152,15 +217,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=BENCHMARKS / "results")
     parser.add_argument("--summarize-only", action="store_true",
                         help="only print the table of records already written")
+    parser.add_argument("--paired-blocks", type=int, default=PAIRED_BLOCKS,
+                        help="block pairs per metric of each run's paired_blocks.py "
+                        f"(default {PAIRED_BLOCKS}; 0: none)")
     parser.add_argument("--force", action="store_true",
                         help="run even if records of this tag exist (they are overwritten)")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     if not args.summarize_only:
-        steps = plan(args.runs, args.tag, args.out)
-        existing = [path for mode, run, _ in steps
-                    if (path := record_path(args.out, mode, args.tag, run)).exists()]
+        steps = plan(args.runs, args.tag, args.out, args.paired_blocks)
+        existing = [step.record for step in steps if step.record.exists()]
         if existing and not args.force:
             print(f"campaign.py: records of tag {args.tag!r} exist ({existing[0]}, ...): "
                   "choose another tag, --summarize-only, or --force", file=sys.stderr)
@@ -168,12 +235,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if importlib.util.find_spec("matplotlib") is None:
             print("[campaign] matplotlib is not installed: no charts (pip install matplotlib)",
                   file=sys.stderr)
-        for mode, run, command in steps:
-            print(f"[campaign] {mode} run {run}: {' '.join(command[1:])}", flush=True)
-            done = subprocess.run(command, stdout=subprocess.DEVNULL, check=False)
+        for step in steps:
+            script = Path(step.argv[1]).name
+            print(f"[campaign] {step.mode} run {step.run}: {' '.join(step.argv[1:])}",
+                  flush=True)
+            done = subprocess.run(step.argv, stdout=subprocess.DEVNULL, check=False)
             if done.returncode != 0:
-                print(f"[campaign] {mode} run {run} failed (exit {done.returncode})",
-                      file=sys.stderr)
+                print(f"[campaign] {step.mode} run {step.run} failed ({script}, exit "
+                      f"{done.returncode})", file=sys.stderr)
                 return 1
     try:
         pinned, unpinned = load(args.out, args.tag, args.runs)
@@ -181,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"campaign.py: {exc}", file=sys.stderr)
         return 2
     try:
-        print(summarize(pinned, unpinned))
+        print(summarize(pinned, unpinned, load_paired(args.out, args.tag, args.runs)))
     except (KeyError, TypeError) as exc:  # a --quick or --no-floor run, another layout
         print(f"campaign.py: a record of tag {args.tag!r} lacks a figure the table needs "
               f"({exc!r}); records of full bench_rpc.py runs are expected", file=sys.stderr)

@@ -28,16 +28,52 @@ def campaign() -> Any:
 
 
 def test_runs_interleave_the_modes_and_only_pinned_runs_pin(campaign: Any, tmp_path: Path) -> None:
-    steps = campaign.plan(2, "tag", tmp_path)
-    assert [(mode, run) for mode, run, _ in steps] == [
+    steps = campaign.plan(2, "tag", tmp_path, blocks=0)
+    assert [(step.mode, step.run) for step in steps] == [
         ("pinned", 1), ("unpinned", 1), ("pinned", 2), ("unpinned", 2)
     ]
-    for mode, run, argv in steps:
+    for mode, run, record, argv in steps:
         assert argv[1].endswith("bench_rpc.py")
         assert ("--pin" in argv) == (mode == "pinned")
         assert argv[argv.index("--wait-idle") + 1] == "180"
         assert argv[argv.index("--rounds") + 1] == "3"
-        assert argv[argv.index("--json") + 1] == str(tmp_path / f"{mode}-tag-run{run}.json")
+        assert argv[argv.index("--json") + 1] == str(record)
+        assert record == tmp_path / f"{mode}-tag-run{run}.json"
+
+
+def test_each_run_is_followed_by_alternating_blocks_in_its_mode(campaign: Any,
+                                                                tmp_path: Path) -> None:
+    steps = campaign.plan(1, "tag", tmp_path)
+    assert [(Path(s.argv[1]).name, s.mode) for s in steps] == [
+        ("bench_rpc.py", "pinned"), ("paired_blocks.py", "pinned"),
+        ("bench_rpc.py", "unpinned"), ("paired_blocks.py", "unpinned")]
+    for step in steps[1::2]:
+        assert ("--pin" in step.argv) == (step.mode == "pinned")
+        assert step.argv[step.argv.index("--blocks") + 1] == "30"
+        assert step.argv[step.argv.index("--metrics") + 1] == "rpc_sync,remote,echo_1mb,autograd"
+        assert step.record == tmp_path / f"paired-{step.mode}-tag-run1.json"
+        assert step.argv[step.argv.index("--json") + 1] == str(step.record)
+
+
+def _paired_record(metric: str, ratios: list[float], target: float) -> dict[str, Any]:
+    return {"metrics": {metric: {"blocks": [{"ratio": r} for r in ratios],
+                                 "summary": {"target": target}}}}
+
+
+def test_the_alternating_blocks_table_spans_every_runs_block_ratios(campaign: Any,
+                                                                    tmp_path: Path) -> None:
+    paired = {"pinned": [_paired_record("autograd", [2.5, 2.9], 2.0),
+                         _paired_record("autograd", [1.9, 2.7], 2.0)],
+              "unpinned": [_paired_record("autograd", [3.5, 3.1, 3.3], 2.0)]}
+    lines = campaign.paired_lines(paired)
+    assert lines[-1] == ("| autograd | 1.90-2.90× (median 2.60×) | 3.10-3.50× (median 3.30×) "
+                         "| 6 of 7 |")
+    assert campaign.paired_lines({"pinned": [], "unpinned": []}) == []
+    pinned, unpinned = campaign.load(BENCHMARKS / "results", TAG, 1)
+    assert campaign.summarize(pinned, unpinned, paired).splitlines()[-1] == lines[-1]
+    (tmp_path / "paired-pinned-t-run2.json").write_text(json.dumps(paired["pinned"][0]))
+    assert campaign.load_paired(tmp_path, "t", 2) == {"pinned": [paired["pinned"][0]],
+                                                      "unpinned": []}
 
 
 def test_summary_of_the_recorded_session36_runs(campaign: Any) -> None:
@@ -126,6 +162,6 @@ def test_existing_records_are_not_overwritten_and_a_failed_run_stops(
     assert "records of tag 't' exist" in capsys.readouterr().err and not ran
     assert campaign.main(["--tag", "t", "--runs", "2", "--out", str(tmp_path), "--force"]) == 1
     assert len(ran) == 1 and "--pin" in ran[0]  # the first run failed: nothing after it
-    assert "pinned run 1 failed (exit 3)" in capsys.readouterr().err
+    assert "pinned run 1 failed (bench_rpc.py, exit 3)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         campaign.main(["--tag", "t", "--runs", "0"])
