@@ -13,6 +13,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from threading import BrokenBarrierError
 from types import ModuleType
 from typing import Any
 
@@ -372,6 +373,10 @@ def worker_main(
     _shut_down(backend, rank, queue)
 
 
+PAIRED_SERVE_S = 3600.0
+"""How long rank 1 of a :func:`block_worker_main` pair serves at most."""
+
+
 def block_worker_main(
     rank: int,
     world_size: int,
@@ -389,13 +394,20 @@ def block_worker_main(
     first block, as :func:`warmup_of` says), make ``warm`` calls untimed, time ``n`` calls,
     report ``("block", 0, metric, latency stats)``; ``("stop", "", 0, 0)``: report
     ``"done"`` and shut down. No command within ``cfg.metric_timeout_s``: report
-    ``"fatal"`` and shut down.
+    ``"fatal"`` and shut down. Rank 1 serves from its backend's threads while its main
+    thread waits at ``barrier`` for rank 0 to be done (not in ``shutdown()``, whose wait
+    for the other ranks is bounded: ours 60 s), then both shut down.
     """
     import queue as queue_mod
 
     backend = _start_backend(rank, world_size, port, queue, barrier, backend_name, cfg)
     if backend is None:
         return
+    if rank == 1:
+        try:
+            barrier.wait(PAIRED_SERVE_S)
+        except BrokenBarrierError:
+            pass  # rank 0 failed or ran past PAIRED_SERVE_S: shut down (which says so)
     if rank == 0:
         calls: dict[str, Callable[[int], None]] = {}
         while True:
@@ -417,4 +429,8 @@ def block_worker_main(
             except BaseException as exc:  # noqa: BLE001
                 result = _error(exc)
             queue.put(("block", rank, metric, result))
+        try:
+            barrier.wait(cfg.init_timeout_s)
+        except BrokenBarrierError:
+            pass
     _shut_down(backend, rank, queue)
