@@ -180,10 +180,10 @@ def paired_lines(paired: dict[str, list[dict[str, Any]]]) -> list[str]:
         return []
     lines = ["", "Alternating blocks (`paired_blocks.py`: both backends' pairs kept, blocks "
              "of up to ~1 s in turn; torch's block median over ours):", "",
-             "| metric | block ratios, pinned | block ratios, unpinned | met the target |",
-             "|---|---:|---:|---:|"]
+             "| metric | block ratios, pinned | block ratios, unpinned | met the target, "
+             "pinned / unpinned |", "|---|---:|---:|---:|"]
     for metric in metrics:
-        cells, met, total = [], 0, 0
+        cells, met = [], []
         for mode in MODES:
             blocks = [b for r in paired.get(mode, []) for b in r["metrics"].get(metric, {})
                       .get("blocks", [])]
@@ -192,9 +192,9 @@ def paired_lines(paired: dict[str, list[dict[str, Any]]]) -> list[str]:
                          if ratios else "–")
             target = next((r["metrics"][metric]["summary"]["target"] for r in paired[mode]
                            if metric in r["metrics"]), None)
-            met += sum(ratio >= target for ratio in ratios) if target else 0
-            total += len(ratios)
-        lines.append(f"| {metric} | {cells[0]} | {cells[1]} | {met} of {total} |")
+            met.append(f"{sum(ratio >= target for ratio in ratios) if target else 0} of "
+                       f"{len(ratios)}")
+        lines.append(f"| {metric} | {cells[0]} | {cells[1]} | {' / '.join(met)} |")
     return lines
 
 

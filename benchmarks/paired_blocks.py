@@ -21,10 +21,13 @@ of about a second each put both backends inside the same moment, so it slows bot
 blocks of a pair alike and the ratio stays; a moment that begins or ends within a block
 pair still skews that one ratio, which the minimum shows.
 
-What the turns add: the waiting pair is idle (blocked on a queue; our workers stop
-polling 1 ms after their last call, torch's threads sleep), and each backend's median
-here is compared with bench_rpc.py's figures in docs/performance.md ("Forty-second
-session"). Benchmark an installed or built copy, never while anything else runs.
+The waiting pair is stopped (``SIGSTOP``) between its blocks, and continued for each:
+an idle torch pair that has carried calls keeps both CPUs busy (2.0 CPU-seconds a second,
+measured: TensorPipe's loops poll), which slowed our blocks beside it (autograd ~290 µs
+pinned against ~260 alone; unpinned, blocks of 550-1,100 µs while our polls kept losing
+their cores to it), while ours, idle, uses ~0.01 CPU. Stopped, neither pair takes CPU
+from the other. docs/performance.md ("Forty-second session") compares the figures with
+bench_rpc.py's. Benchmark an installed or built copy, never while anything else runs.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import signal
 import statistics
 import sys
 import time
@@ -85,12 +90,24 @@ class Pair:
         except SessionError:
             self.close()
             raise
+        self.signal(signal.SIGSTOP)  # (until its first block)
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to both processes (``SIGSTOP``: the pair waits stopped)."""
+        for proc in self.session.procs:
+            if proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signum)
 
     def block(self, metric: str, calls: int) -> dict[str, Any]:
         """Latency stats of one block of ``calls`` calls, after :data:`BLOCK_WARMUP` of
-        them untimed (and the metric's warm-up before its first block)."""
-        self.commands.put(("block", metric, max(1, int(calls * BLOCK_WARMUP)), calls))
-        kind, rank, key, payload = self.session.get(self.cfg.metric_timeout_s)
+        them untimed (and the metric's warm-up before its first block); the pair runs
+        for the block only and waits stopped (``SIGSTOP``) otherwise."""
+        self.signal(signal.SIGCONT)
+        try:
+            self.commands.put(("block", metric, max(1, int(calls * BLOCK_WARMUP)), calls))
+            kind, rank, key, payload = self.session.get(self.cfg.metric_timeout_s)
+        finally:
+            self.signal(signal.SIGSTOP)
         if kind != "block" or "error" in payload:
             error = payload.get("error") if isinstance(payload, dict) else None
             raise SessionError(f"{self.backend} {metric}: {error or (kind, rank, key)}")
@@ -98,6 +115,7 @@ class Pair:
 
     def close(self) -> None:
         """Stop rank 0's loop and let both ranks shut down (bounded), then end them."""
+        self.signal(signal.SIGCONT)
         if self.session.alive():
             self.commands.put(("stop", "", 0, 0))
             deadline = time.monotonic() + 30.0
