@@ -57,7 +57,7 @@ from _metrics import (  # noqa: E402 - needs the repository on the path
 from _report import ROWS  # noqa: E402
 
 BACKENDS = ("actorrpc", "torch")
-BLOCK_CALLS = {"rpc_sync": 2000, "remote": 1000, "echo_1mb": 100, "autograd": 1000}
+BLOCK_CALLS = {"rpc_sync": 2000, "remote": 1000, "echo_1mb": 300, "autograd": 1000}
 """Calls per block: about a second of torch's (or less), a few hundred ms of ours."""
 QUICK_BLOCK_CALLS = {"rpc_sync": 100, "remote": 50, "echo_1mb": 10, "autograd": 20}
 BLOCK_WARMUP = 0.1
