@@ -58,7 +58,9 @@ from _report import ROWS  # noqa: E402
 
 BACKENDS = ("actorrpc", "torch")
 BLOCK_CALLS = {"rpc_sync": 2000, "remote": 1000, "echo_1mb": 300, "autograd": 1000}
-"""Calls per block: about a second of torch's (or less), a few hundred ms of ours."""
+"""Calls per block: about a second of torch's (or less), a few hundred ms of ours. Keep
+blocks well under a few seconds (``--calls``): a pair stopped longer than its liveness
+checks allow (ours: 5 s) may find its peer late when it is continued."""
 QUICK_BLOCK_CALLS = {"rpc_sync": 100, "remote": 50, "echo_1mb": 10, "autograd": 20}
 BLOCK_WARMUP = 0.1
 """Untimed calls before each block, as a share of its timed ones: a backend's first
