@@ -143,10 +143,6 @@ def sync_call(rpc: ModuleType) -> Callable[[int], None]:
     return call
 
 
-def bench_rpc_sync(rpc: ModuleType, cfg: Config) -> dict[str, Any]:
-    return latency_stats(time_calls(sync_call(rpc), cfg.sync_warmup, cfg.sync_n))
-
-
 def _wait(futs: list[Any]) -> list[Any]:
     import torch
 
@@ -185,10 +181,6 @@ def remote_call(rpc: ModuleType) -> Callable[[int], None]:
             raise AssertionError("remote(noop).to_here() returned a wrong value")
 
     return call
-
-
-def bench_remote(rpc: ModuleType, cfg: Config) -> dict[str, Any]:
-    return latency_stats(time_calls(remote_call(rpc), cfg.remote_warmup, cfg.remote_n))
 
 
 def echo_call(rpc: ModuleType, size_bytes: int) -> Callable[[int], None]:
@@ -231,11 +223,6 @@ def autograd_iteration(rpc: ModuleType, dist_autograd: ModuleType) -> Callable[[
     return iteration
 
 
-def bench_autograd(rpc: ModuleType, dist_autograd: ModuleType, cfg: Config) -> dict[str, Any]:
-    return latency_stats(time_calls(autograd_iteration(rpc, dist_autograd), cfg.autograd_warmup,
-                                    cfg.autograd_n, cfg.autograd_warmup_s))
-
-
 LATENCY_METRICS = ("rpc_sync", "remote", "echo_1mb", "autograd")
 """The metrics timed call by call (median latency): those :func:`latency_call` makes."""
 
@@ -255,24 +242,29 @@ def latency_call(name: str, backend: Backend) -> Callable[[int], None]:
     raise ValueError(f"{name!r} is not a latency metric (one of {', '.join(LATENCY_METRICS)})")
 
 
-def warmup_of(name: str, cfg: Config) -> tuple[int, float]:
-    """``(iterations, seconds)`` of untimed warm-up for latency metric ``name``."""
+def latency_plan(name: str, cfg: Config) -> tuple[int, float, int]:
+    """``(calls, seconds)`` of untimed warm-up and the timed calls of latency metric
+    ``name`` in ``cfg``."""
     return {
-        "rpc_sync": (cfg.sync_warmup, 0.0),
-        "remote": (cfg.remote_warmup, 0.0),
-        "echo_1mb": (cfg.echo_1mb_warmup, 0.0),
-        "autograd": (cfg.autograd_warmup, cfg.autograd_warmup_s),
+        "rpc_sync": (cfg.sync_warmup, 0.0, cfg.sync_n),
+        "remote": (cfg.remote_warmup, 0.0, cfg.remote_n),
+        "echo_1mb": (cfg.echo_1mb_warmup, 0.0, cfg.echo_1mb_n),
+        "autograd": (cfg.autograd_warmup, cfg.autograd_warmup_s, cfg.autograd_n),
     }[name]
+
+
+def bench_latency(name: str, backend: Backend, cfg: Config) -> dict[str, Any]:
+    """Latency stats of ``cfg``'s timed calls of latency metric ``name``, after its warm-up."""
+    warm_n, warm_s, n = latency_plan(name, cfg)
+    return latency_stats(time_calls(latency_call(name, backend), warm_n, n, warm_s))
 
 
 def run_metric(name: str, backend: Backend, cfg: Config) -> dict[str, Any]:
     rpc = backend.rpc
-    if name == "rpc_sync":
-        return bench_rpc_sync(rpc, cfg)
+    if name in ("rpc_sync", "remote"):
+        return bench_latency(name, backend, cfg)
     if name == "rpc_async":
         return bench_rpc_async(rpc, cfg)
-    if name == "remote":
-        return bench_remote(rpc, cfg)
     if name == "echo_1mb":
         return bench_echo(rpc, MB, cfg.echo_1mb_warmup, cfg.echo_1mb_n)
     if name == "echo_64mb":
@@ -283,7 +275,7 @@ def run_metric(name: str, backend: Backend, cfg: Config) -> dict[str, Any]:
         return {"na": backend.autograd_error or "no distributed autograd module"}
     if name == "autograd":
         try:
-            return bench_autograd(rpc, backend.autograd, cfg)
+            return bench_latency(name, backend, cfg)
         except Exception as exc:
             if backend.name == "actorrpc":  # optional feature: n/a rather than error
                 return {"na": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
@@ -391,7 +383,7 @@ def block_worker_main(
     calls on command, rank 1 serves.
 
     ``commands`` carries ``("block", metric, warm, n)``: warm up ``metric`` (before its
-    first block, as :func:`warmup_of` says), make ``warm`` calls untimed, time ``n`` calls,
+    first block, as :func:`latency_plan` says), make ``warm`` calls untimed, time ``n`` calls,
     report ``("block", 0, metric, latency stats)``; ``("stop", "", 0, 0)``: report
     ``"done"`` and shut down. No command within ``cfg.metric_timeout_s``: report
     ``"fatal"`` and shut down. Rank 1 serves from its backend's threads while its main
@@ -423,7 +415,7 @@ def block_worker_main(
             try:
                 if metric not in calls:
                     calls[metric] = latency_call(metric, backend)
-                    warm_n, warm_s = warmup_of(metric, cfg)
+                    warm_n, warm_s, _ = latency_plan(metric, cfg)
                     time_calls(calls[metric], warm_n, 0, warm_s)
                 result = latency_stats(time_calls(calls[metric], warm, n))
             except BaseException as exc:  # noqa: BLE001
