@@ -83,9 +83,10 @@ def attribute(script_text: str) -> Attribution:
         if any(marker in name for name in names for marker in SPIN_MARKERS):
             result.spinning += 1
             continue
-        compiled = {name.removeprefix("CPyDef_").lstrip("_") for name in names
-                    if name.startswith("CPyDef_")}
-        result.inclusive.update(compiled)
+        # each once (recursion), in stack order: ties in the report keep the order met
+        compiled = dict.fromkeys(name.removeprefix("CPyDef_").lstrip("_") for name in names
+                                 if name.startswith("CPyDef_"))
+        result.inclusive.update(compiled.keys())
         result.leaves[names[0]] += 1
     return result
 
